@@ -1,0 +1,153 @@
+"""The `kvfs` command: mount, umount, stat."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .config import ConfigError, build_config
+
+MOUNT_WAIT_S = 30.0
+
+
+@click.group()
+@click.version_option(package_name="kvfs")
+def main() -> None:
+    """kvfs: a compressed, checksummed, tiered filesystem for LLM KV caches."""
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--l2", metavar="DIR:SIZE", help="L2 tier directory (normally tmpfs) and capacity, e.g. /dev/shm/kvfs:8G")
+@click.option("--codec", type=click.Choice(["zstd", "none"]), help="codec for new frames (default zstd)")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "none"]),
+              help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="TOML configuration file")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="where the index lives")
+@click.option("--allow-other", is_flag=True, default=None, help="let other users access the mount")
+@click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
+@click.option("--debug", is_flag=True, help="verbose logging")
+def mount(mountpoint, l2, codec, dtype, config_file, state_dir, allow_other, foreground, log_file, debug):
+    """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
+    try:
+        cfg = build_config(mountpoint, config_file=config_file, l2=l2, codec=codec, dtype=dtype,
+                           state_dir=state_dir, allow_other=allow_other, foreground=foreground, debug=debug,
+                           log_file=log_file)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    if not cfg.mountpoint.is_dir():
+        raise click.UsageError(f"mountpoint {cfg.mountpoint} is not a directory")
+    if os.path.ismount(cfg.mountpoint):
+        raise click.UsageError(f"{cfg.mountpoint} is already a mount point")
+    if foreground:
+        from .daemon import run, setup_logging
+
+        setup_logging(cfg)
+        sys.exit(run(cfg))
+    _mount_in_background(cfg, sys.argv[2:])
+
+
+def _mount_in_background(cfg, argv: list[str]) -> None:
+    """Re-run ourselves in the foreground as a detached process; return once the mount is live."""
+    log_file = cfg.log_file or (cfg.state_dir / "kvfs.log")
+    log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "kvfs", "mount", "--foreground", *argv]
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + MOUNT_WAIT_S
+    while time.monotonic() < deadline:
+        if os.path.ismount(cfg.mountpoint):
+            click.echo(f"kvfs mounted at {cfg.mountpoint} (pid {proc.pid}, log {log_file})")
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    tail = log_file.read_text(errors="replace").splitlines()[-15:]
+    raise click.ClickException("mount failed:\n" + "\n".join(tail))
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--lazy", "-z", is_flag=True, help="detach now even if busy")
+@click.option("--timeout", default=60.0, show_default=True, help="seconds to wait for the daemon to finish")
+def umount(mountpoint, lazy, timeout):
+    """Unmount MOUNTPOINT and wait until its daemon has flushed and exited."""
+    pid = None
+    try:
+        pid = json.loads((mountpoint / ".kvfs" / "stats").read_bytes())["pid"]
+    except (OSError, ValueError, KeyError):
+        pass
+    tool = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
+    res = subprocess.run([tool, "-u", *(["-z"] if lazy else []), str(mountpoint)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise click.ClickException(res.stderr.strip() or f"{tool} failed")
+    if pid is not None and not _wait_gone(pid, timeout):
+        raise click.ClickException(f"daemon {pid} still running after {timeout}s")
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@main.command(name="stat")
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print the raw JSON")
+def stat_cmd(mountpoint, as_json):
+    """Show per-tier usage, compression and error counters of a mounted kvfs."""
+    try:
+        raw = (mountpoint / ".kvfs" / "stats").read_bytes()
+    except OSError as e:
+        raise click.ClickException(f"{mountpoint} does not look like a kvfs mount: {e.strerror}") from None
+    doc = json.loads(raw)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    tiers = Table(title=f"kvfs at {doc['mountpoint']} (pid {doc['pid']}, codec {doc['codec']})")
+    for col in ("tier", "path", "used", "capacity", "use %", "files", "logical", "ratio"):
+        tiers.add_column(col, justify="left" if col in ("tier", "path") else "right")
+    for name, t in doc["tiers"].items():
+        pct = 100 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0
+        tiers.add_row(name, t["path"], _human(t["used_bytes"]), _human(t["capacity_bytes"]), f"{pct:.1f}",
+                      str(t["files"]), _human(t["logical_bytes"]),
+                      "-" if t["compression_ratio"] is None else f"{t['compression_ratio']:.3f}")
+    counters = Table(show_header=False, title="counters")
+    for key in ("bytes_written", "bytes_read", "commits", "commit_failures", "checksum_failures", "errors",
+                "open_files", "dirty_bytes", "compression_ratio"):
+        value = doc.get(key)
+        counters.add_row(key, _human(value) if key.startswith(("bytes", "dirty")) else str(value))
+    console = Console()
+    console.print(tiers)
+    console.print(counters)
+
+
+def _human(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+if __name__ == "__main__":
+    main()

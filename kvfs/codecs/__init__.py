@@ -1,0 +1,83 @@
+"""Codecs behind one small interface and a registry of on-disk ids.
+
+Ids are part of the object format (docs/format.md) and never change meaning. Later codecs
+(deflate via ISA-L, qat via QATzip, an entropy coder) register new ids here.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import zstandard
+
+
+class Codec(Protocol):
+    id: int
+    name: str
+
+    def compress(self, data: bytes | memoryview) -> bytes: ...
+
+    def decompress(self, data: bytes | memoryview, raw_len: int) -> bytes: ...
+
+
+class CodecError(Exception):
+    """Stored bytes that the codec rejects (caught as corruption by the caller)."""
+
+
+class NoneCodec:
+    id = 0
+    name = "none"
+
+    def compress(self, data):
+        return bytes(data)
+
+    def decompress(self, data, raw_len):
+        return bytes(data)
+
+
+class ZstdCodec:
+    """zstd level 1: LZ matching buys nothing on KV planes, so the fastest level also compresses best."""
+
+    id = 1
+    name = "zstd"
+
+    def __init__(self, level: int = 1) -> None:
+        self._level = level
+        self._local = threading.local()  # zstandard contexts are not thread-safe
+
+    def _ctx(self):
+        loc = self._local
+        if not hasattr(loc, "c"):
+            loc.c = zstandard.ZstdCompressor(level=self._level)
+            loc.d = zstandard.ZstdDecompressor()
+        return loc
+
+    def compress(self, data):
+        return self._ctx().c.compress(data)
+
+    def decompress(self, data, raw_len):
+        try:
+            out = self._ctx().d.decompress(data, max_output_size=raw_len)
+        except zstandard.ZstdError as e:
+            raise CodecError(str(e)) from e
+        return out
+
+
+# id → codec; ids 2 (deflate), 3 (qat), 4 (entropy) are reserved for later issues.
+REGISTRY: dict[int, Codec] = {c.id: c for c in (NoneCodec(), ZstdCodec())}
+BY_NAME: dict[str, Codec] = {c.name: c for c in REGISTRY.values()}
+
+
+def by_id(codec_id: int) -> Codec:
+    try:
+        return REGISTRY[codec_id]
+    except KeyError:
+        raise CodecError(f"unknown codec id {codec_id}") from None
+
+
+def by_name(name: str) -> Codec:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}") from None

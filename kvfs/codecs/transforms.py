@@ -1,0 +1,52 @@
+"""Transforms: reversible byte reorderings applied to a frame before its codec.
+
+byteplane2 splits 2-byte little-endian elements (bf16, fp16) into a plane of high bytes (sign + exponent,
+low-entropy) followed by a plane of low bytes (mantissa noise), so the codec sees like bytes together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IDENTITY = 0
+BYTEPLANE2 = 1
+NAMES = {IDENTITY: "identity", BYTEPLANE2: "byteplane2"}
+
+
+def _byteplane2_encode(raw: bytes | bytearray | memoryview) -> bytes:
+    n = len(raw)
+    half = n // 2
+    elems = np.frombuffer(raw, dtype="<u2", count=half)
+    out = np.empty(n, dtype=np.uint8)
+    np.right_shift(elems, 8, out=out[:half], casting="unsafe")
+    np.copyto(out[half : 2 * half], elems, casting="unsafe")
+    if n % 2:
+        out[-1] = raw[-1]
+    return out.tobytes()
+
+
+def _byteplane2_decode(planes: bytes | memoryview) -> bytes:
+    n = len(planes)
+    half = n // 2
+    b = np.frombuffer(planes, dtype=np.uint8)
+    elems = np.empty(half, dtype="<u2")
+    np.left_shift(b[:half], 8, out=elems, dtype="<u2")
+    elems |= b[half : 2 * half]
+    out = elems.tobytes()
+    return out + bytes(planes[-1:]) if n % 2 else out
+
+
+def apply(transform: int, raw: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    if transform == IDENTITY:
+        return raw
+    if transform == BYTEPLANE2:
+        return _byteplane2_encode(raw)
+    raise ValueError(f"unknown transform id {transform}")
+
+
+def invert(transform: int, data: bytes | memoryview) -> bytes | memoryview:
+    if transform == IDENTITY:
+        return data
+    if transform == BYTEPLANE2:
+        return _byteplane2_decode(data)
+    raise ValueError(f"unknown transform id {transform}")

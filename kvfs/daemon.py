@@ -1,0 +1,115 @@
+"""One daemon per mount: open the index, reconcile, mount, and run one trio nursery that owns everything.
+
+Shutdown (SIGTERM/SIGINT, or `kvfs umount` which unmounts and lets pyfuse3.main return): commit files
+still open with unsaved data, flush batched access times, fsync and checkpoint the index, unmount.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import sys
+
+import pyfuse3
+import trio
+
+from .config import Config
+from .fs import Operations
+from .index import Index
+from .reconcile import reconcile
+from .stats import Counters
+from .store import Store
+from .tiers import DirectoryTier
+
+log = logging.getLogger("kvfs")
+ACCESS_FLUSH_INTERVAL = 5.0
+CHECKPOINT_INTERVAL = 30.0
+
+
+def setup_logging(config: Config) -> None:
+    handler: logging.Handler
+    if config.log_file:
+        config.log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(config.log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if config.debug else logging.INFO)
+    logging.getLogger("pyfuse3").setLevel(logging.INFO if config.debug else logging.WARNING)
+
+
+def _lock_state_dir(config: Config) -> int:
+    config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(config.state_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"kvfs: state directory {config.state_dir} is in use by another kvfs daemon")
+    return fd
+
+
+def run(config: Config) -> int:
+    """Mount and serve until unmounted or signalled. Returns the process exit status."""
+    lock_fd = _lock_state_dir(config)
+    index = Index(config.index_path)
+    tiers = [DirectoryTier(t.name, t.path, t.capacity, t.persistent) for t in config.tiers]
+    report = reconcile(index, tiers)
+    counters = Counters(reconcile_orphans_removed=report.orphans_removed,
+                        reconcile_rows_dropped=report.rows_dropped)
+    store = Store(tiers)
+    ops = Operations(config, index, store, counters)
+
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=kvfs", "subtype=kvfs"}
+    if config.allow_other:
+        options.add("allow_other")
+    pyfuse3.init(ops, str(config.mountpoint), options)
+    log.info("mounted %s (L2 %s, %d MiB, codec %s, %d files)", config.mountpoint, config.l2.path,
+             config.l2.capacity >> 20, config.codec, sum(t.files for t in tiers))
+    clean = False
+    try:
+        trio.run(_serve, ops, index)
+        clean = True
+    finally:
+        pyfuse3.close(unmount=True)
+        index.close()
+        os.close(lock_fd)
+        log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
+    return 0
+
+
+async def _serve(ops: Operations, index: Index) -> None:
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        nursery.start_soon(_watch_signals)
+        nursery.start_soon(_flush_periodically, index)
+        await pyfuse3.main()
+        # main() returned: the kernel unmounted us, or a signal asked us to stop
+        await ops.commit_all()
+        index.flush_access()
+        await trio.to_thread.run_sync(index.sync)
+        nursery.cancel_scope.cancel()
+
+
+async def _watch_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s, unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _flush_periodically(index: Index) -> None:
+    since_checkpoint = 0.0
+    while True:
+        await trio.sleep(ACCESS_FLUSH_INTERVAL)
+        index.flush_access()
+        since_checkpoint += ACCESS_FLUSH_INTERVAL
+        if since_checkpoint >= CHECKPOINT_INTERVAL:
+            since_checkpoint = 0.0
+            await trio.to_thread.run_sync(index.checkpoint)

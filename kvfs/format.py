@@ -1,0 +1,206 @@
+"""The kvfs object format: header, frame table, independently compressed frames.
+
+Pure functions, no I/O. The byte-level specification is docs/format.md; keep the two in step.
+
+    object := header | frame table | frame payloads
+    header := fixed part (HEADER_FIXED) | extension TLVs (ext_len bytes) | xxh3-64 of all before it
+    table  := n_frames × FRAME_ENTRY | xxh3-64 of the entries
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from . import codecs
+from .codecs import transforms
+
+MAGIC = b"KVFSOBJ\x00"
+VERSION = 1
+MAX_FILE_SIZE = 64 << 30  # EFBIG beyond; bounds the frame table of a sparse file
+
+# magic, version, header_size, flags, raw_size, frame_size, n_frames, transform, element_size,
+# codec, dtype, lossy_mode, lossy_param, ext_len, reserved
+HEADER_FIXED = struct.Struct("<8sHHIQIIBBBBBBH18s")
+# offset, stored_len, raw_len, codec, transform, flags, stored_xxh3, raw_xxh3
+FRAME_ENTRY = struct.Struct("<QIIBBHQQ")
+CHECKSUM = struct.Struct("<Q")
+
+FRAME_HOLE = 0x1  # no payload: raw_len zero bytes
+
+DTYPES = {"unknown": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "int8": 6}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+
+class CorruptObject(Exception):
+    """An object failed a structural or checksum test; its bytes must never be served."""
+
+
+def xxh3(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    raw_size: int
+    frame_size: int
+    n_frames: int
+    transform: int = transforms.IDENTITY
+    element_size: int = 1
+    codec: int = 0
+    dtype: int = 0
+    lossy_mode: int = 0  # 0 = lossless; modes arrive with the lossy issue
+    lossy_param: int = 0
+    flags: int = 0
+    extensions: bytes = b""  # TLVs: u16 tag, u16 length, value; unknown tags are skipped by readers
+
+    @property
+    def size(self) -> int:
+        return HEADER_FIXED.size + len(self.extensions) + CHECKSUM.size
+
+    @property
+    def table_size(self) -> int:
+        return self.n_frames * FRAME_ENTRY.size + CHECKSUM.size
+
+    @property
+    def data_offset(self) -> int:
+        return self.size + self.table_size
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameEntry:
+    offset: int
+    stored_len: int
+    raw_len: int
+    codec: int
+    transform: int
+    flags: int
+    stored_xxh3: int
+    raw_xxh3: int
+
+    @property
+    def is_hole(self) -> bool:
+        return bool(self.flags & FRAME_HOLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedFrame:
+    """A frame ready to be placed in an object (offset assigned when the object is laid out)."""
+
+    payload: bytes
+    raw_len: int
+    codec: int
+    transform: int
+    flags: int
+    stored_xxh3: int
+    raw_xxh3: int
+
+    @classmethod
+    def hole(cls, raw_len: int) -> "EncodedFrame":
+        return cls(b"", raw_len, 0, transforms.IDENTITY, FRAME_HOLE, 0, 0)
+
+    @classmethod
+    def from_entry(cls, entry: FrameEntry, payload: bytes) -> "EncodedFrame":
+        return cls(payload, entry.raw_len, entry.codec, entry.transform, entry.flags,
+                   entry.stored_xxh3, entry.raw_xxh3)
+
+    @property
+    def is_hole(self) -> bool:
+        return bool(self.flags & FRAME_HOLE)
+
+
+def encode_frame(raw, codec: codecs.Codec, transform: int) -> EncodedFrame:
+    """Compress one frame; all-zero frames become holes, incompressible ones are stored raw."""
+    raw_len = len(raw)
+    if raw_len == 0 or not np.frombuffer(raw, dtype=np.uint8).any():
+        return EncodedFrame.hole(raw_len)
+    raw_hash = xxh3(raw)
+    if codec.id != codecs.NoneCodec.id:
+        payload = codec.compress(transforms.apply(transform, raw))
+        if len(payload) < raw_len:
+            return EncodedFrame(payload, raw_len, codec.id, transform, 0, xxh3(payload), raw_hash)
+    payload = bytes(raw)
+    return EncodedFrame(payload, raw_len, codecs.NoneCodec.id, transforms.IDENTITY, 0, raw_hash, raw_hash)
+
+
+def decode_frame(entry: FrameEntry, payload: bytes | memoryview) -> bytes:
+    """Verify, decompress, invert the transform, verify again. Raises CorruptObject."""
+    if entry.is_hole:
+        return bytes(entry.raw_len)
+    if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
+        raise CorruptObject("frame payload checksum mismatch")
+    try:
+        data = transforms.invert(entry.transform, codecs.by_id(entry.codec).decompress(payload, entry.raw_len))
+    except (codecs.CodecError, ValueError) as e:  # unreachable unless xxh3 collides; still never data
+        raise CorruptObject(f"frame does not decode: {e}") from e
+    if len(data) != entry.raw_len or xxh3(data) != entry.raw_xxh3:
+        raise CorruptObject("frame raw checksum mismatch")
+    return data
+
+
+def pack_header(h: Header) -> bytes:
+    fixed = HEADER_FIXED.pack(MAGIC, VERSION, h.size, h.flags, h.raw_size, h.frame_size, h.n_frames,
+                              h.transform, h.element_size, h.codec, h.dtype, h.lossy_mode, h.lossy_param,
+                              len(h.extensions), b"")
+    body = fixed + h.extensions
+    return body + CHECKSUM.pack(xxh3(body))
+
+
+def build_object(header: Header, frames: Sequence[EncodedFrame]) -> tuple[list[bytes], list[FrameEntry]]:
+    """Lay out an object: [header+table, payload, …] ready to be written in order, and its frame table."""
+    if len(frames) != header.n_frames:
+        raise ValueError("frame count does not match header")
+    entries = []
+    offset = header.data_offset
+    for f in frames:
+        entries.append(FrameEntry(offset, len(f.payload), f.raw_len, f.codec, f.transform, f.flags,
+                                  f.stored_xxh3, f.raw_xxh3))
+        offset += len(f.payload)
+    table = b"".join(FRAME_ENTRY.pack(*dataclasses.astuple(e)) for e in entries)
+    head = pack_header(header) + table + CHECKSUM.pack(xxh3(table))
+    return [head, *(f.payload for f in frames if f.payload)], entries
+
+
+def parse_header(buf: bytes | memoryview) -> Header:
+    """Parse and verify the header at the start of buf (which must hold at least the whole header)."""
+    if len(buf) < HEADER_FIXED.size + CHECKSUM.size:
+        raise CorruptObject("object shorter than a header")
+    (magic, version, header_size, flags, raw_size, frame_size, n_frames, transform, element_size, codec,
+     dtype, lossy_mode, lossy_param, ext_len, _reserved) = HEADER_FIXED.unpack_from(buf)
+    if magic != MAGIC:
+        raise CorruptObject("bad magic")
+    if header_size != HEADER_FIXED.size + ext_len + CHECKSUM.size or len(buf) < header_size:
+        raise CorruptObject("bad header size")
+    body_end = header_size - CHECKSUM.size
+    if CHECKSUM.unpack_from(buf, body_end)[0] != xxh3(buf[:body_end]):
+        raise CorruptObject("header checksum mismatch")
+    if version != VERSION:
+        raise CorruptObject(f"unsupported object version {version}")
+    if frame_size == 0 or raw_size > MAX_FILE_SIZE or n_frames != -(-raw_size // frame_size):
+        raise CorruptObject("inconsistent sizes in header")
+    ext = bytes(buf[HEADER_FIXED.size:body_end])
+    return Header(raw_size, frame_size, n_frames, transform, element_size, codec, dtype, lossy_mode,
+                  lossy_param, flags, ext)
+
+
+def parse_table(header: Header, buf: bytes | memoryview, object_size: int) -> list[FrameEntry]:
+    """Parse and verify the frame table; buf starts right after the header."""
+    n = header.n_frames
+    body_len = n * FRAME_ENTRY.size
+    if len(buf) < body_len + CHECKSUM.size:
+        raise CorruptObject("truncated frame table")
+    if CHECKSUM.unpack_from(buf, body_len)[0] != xxh3(buf[:body_len]):
+        raise CorruptObject("frame table checksum mismatch")
+    entries = []
+    for i, fields in enumerate(FRAME_ENTRY.iter_unpack(buf[:body_len])):
+        e = FrameEntry(*fields)
+        expected_raw = min(header.frame_size, header.raw_size - i * header.frame_size)
+        if e.raw_len != expected_raw or e.offset + e.stored_len > object_size:
+            raise CorruptObject(f"frame {i} entry out of bounds")
+        entries.append(e)
+    return entries

@@ -1,0 +1,641 @@
+"""pyfuse3 Operations: translate FUSE requests into index and open-file operations.
+
+Every handler runs under `_guard`, which turns anything unexpected into a logged EIO so no request can
+kill the mount. Regular-file content goes through openfile.OpenFile; names and attributes through
+index.Index. A virtual read-only directory `.kvfs/` (inodes 2, 3) serves live statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+
+import pyfuse3
+import trio
+
+from . import format as fmt
+from . import stats as stats_mod
+from .codecs import by_name
+from .index import ROOT_INODE, Index
+from .openfile import EncodingPolicy, FileCorrupt, OpenFile
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+KVFS_DIR_INODE = 2
+STATS_INODE = 3
+KVFS_DIR_NAME = b".kvfs"
+STATS_NAME = b"stats"
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 64 << 10
+TIMEOUT = 1.0  # kernel caching of entries and attributes (one daemon owns the namespace)
+BLOCK = 4096  # statfs block unit
+
+XA_PREFIX = b"user.kvfs."
+XA_DTYPE = b"user.kvfs.dtype"
+INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes", b"user.kvfs.transform")
+SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
+
+# errnos that are answers, not daemon faults: passed through without a traceback
+EXPECTED_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def _guard(fn):
+    @functools.wraps(fn)
+    async def wrapper(self: "Operations", *args, **kwargs):
+        try:
+            return await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FileCorrupt as e:
+            await self.drop_corrupt(e)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as e:
+            if e.errno in EXPECTED_ERRNOS:
+                log.debug("%s: %s", fn.__name__, e)
+            else:
+                self.counters.errors += 1
+                log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            self.counters.errors += 1
+            log.exception("unexpected error in %s; answered EIO", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _err(code: int) -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(code)
+
+
+@dataclasses.dataclass
+class Handle:
+    ino: int
+    state: OpenFile | None  # None for the stats file
+    flags: int
+    snapshot: bytes = b""
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, config, index: Index, store: Store, counters: stats_mod.Counters) -> None:
+        super().__init__()
+        self.config = config
+        self.index = index
+        self.store = store
+        self.counters = counters
+        self.codec = by_name(config.codec)
+        self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
+        self.lookups: dict[int, int] = {}
+        self.open_files: dict[int, OpenFile] = {}
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self.started = time.monotonic()
+
+    # -- attributes --------------------------------------------------------------------------------
+    def _attrs(self, row) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        ino = row["id"]
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        a.st_mode = row["mode"]
+        a.st_nlink = row["nlink"]
+        a.st_uid = row["uid"]
+        a.st_gid = row["gid"]
+        a.st_rdev = row["rdev"]
+        a.st_size = row["size"]
+        a.st_atime_ns = row["atime_ns"]
+        a.st_mtime_ns = row["mtime_ns"]
+        a.st_ctime_ns = row["ctime_ns"]
+        a.st_blksize = self.config.frame_size
+        a.st_blocks = -(-row["stored_bytes"] // 512)
+        state = self.open_files.get(ino)
+        if state is not None and state.modified:
+            a.st_size = state.size
+            if state.mtime_ns:
+                a.st_mtime_ns = a.st_ctime_ns = state.mtime_ns
+        return a
+
+    def _virtual_attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        a.st_mode = (stat.S_IFDIR | 0o555) if ino == KVFS_DIR_INODE else (stat.S_IFREG | 0o444)
+        a.st_nlink = 2 if ino == KVFS_DIR_INODE else 1
+        a.st_uid, a.st_gid = os.getuid(), os.getgid()
+        a.st_blksize = BLOCK
+        now = time.time_ns()
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = now
+        return a
+
+    def _row(self, ino: int):
+        row = self.index.get(ino)
+        if row is None:
+            raise _err(errno.ENOENT)
+        return row
+
+    def _ref(self, ino: int) -> None:
+        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+
+    def _entry(self, ino: int) -> pyfuse3.EntryAttributes:
+        attrs = self._attrs(self._row(ino))
+        self._ref(ino)
+        return attrs
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+
+    def _check_mutable_dir(self, parent: int, name: bytes | None = None) -> None:
+        if parent in (KVFS_DIR_INODE, STATS_INODE) or (parent == ROOT_INODE and name == KVFS_DIR_NAME):
+            raise _err(errno.EPERM)
+
+    # -- lookup and lifetime -----------------------------------------------------------------------
+    @_guard
+    async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == ROOT_INODE and name == KVFS_DIR_NAME:
+            return self._virtual_attrs(KVFS_DIR_INODE)
+        if parent_inode == KVFS_DIR_INODE:
+            if name == STATS_NAME:
+                return self._virtual_attrs(STATS_INODE)
+            if name in (b".", b".."):
+                return self._virtual_attrs(KVFS_DIR_INODE) if name == b"." else self._entry(ROOT_INODE)
+            raise _err(errno.ENOENT)
+        self._check_name(name)
+        if name == b".":
+            return self._entry(parent_inode)
+        if name == b"..":
+            return self._entry(self.index.parent_of(parent_inode) or ROOT_INODE)
+        ino = self.index.lookup(parent_inode, name)
+        if ino is None:
+            raise _err(errno.ENOENT)
+        return self._entry(ino)
+
+    @_guard
+    async def forget(self, inode_list):
+        for ino, count in inode_list:
+            left = self.lookups.get(ino, 0) - count
+            if left > 0:
+                self.lookups[ino] = left
+            else:
+                self.lookups.pop(ino, None)
+                await self._maybe_delete(ino)
+
+    async def _maybe_delete(self, ino: int) -> None:
+        """Delete an inode and its data once it has no names, no kernel references and no open handles."""
+        if ino in self.lookups or ino in self.open_files or ino < ROOT_INODE + 15:
+            return
+        row = self.index.get(ino)
+        if row is None or row["nlink"] > 0:
+            return
+        self.index.delete_inode(ino)
+        if row["obj_gen"]:
+            from .store import ObjectRef
+            await self.store.delete(ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"]))
+
+    @_guard
+    async def getattr(self, inode, ctx=None):
+        if inode in (KVFS_DIR_INODE, STATS_INODE):
+            return self._virtual_attrs(inode)
+        return self._attrs(self._row(inode))
+
+    @_guard
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if inode in (KVFS_DIR_INODE, STATS_INODE):
+            raise _err(errno.EPERM)
+        row = self._row(inode)
+        now = time.time_ns()
+        if fields.update_size:
+            if stat.S_ISDIR(row["mode"]):
+                raise _err(errno.EISDIR)
+            if not stat.S_ISREG(row["mode"]):
+                raise _err(errno.EINVAL)
+            await self._truncate(inode, row, attr.st_size, commit_now=fh is None)
+        changes = {}
+        if fields.update_mode:
+            changes["mode"] = stat.S_IFMT(row["mode"]) | stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+            state = self.open_files.get(inode)
+            if state is not None and state.modified:
+                state.mtime_ns = attr.st_mtime_ns
+        changes["ctime_ns"] = attr.st_ctime_ns if fields.update_ctime else now
+        self.index.set_attrs(inode, **changes)
+        return self._attrs(self._row(inode))
+
+    async def _truncate(self, ino: int, row, size: int, commit_now: bool) -> None:
+        state = self._acquire(ino, row)
+        try:
+            await state.truncate(size)
+            if commit_now:
+                await self._commit(state, durable=False)
+        finally:
+            await self._release_state(state)
+
+    # -- open files --------------------------------------------------------------------------------
+    def _policy(self, ino: int) -> EncodingPolicy:
+        dtype = self.index.get_xattr(ino, XA_DTYPE)
+        return EncodingPolicy(self.codec, dtype.decode() if dtype else self.config.dtype)
+
+    def _acquire(self, ino: int, row) -> OpenFile:
+        state = self.open_files.get(ino)
+        if state is None:
+            state = OpenFile(ino, row, self.store, self.index, self._policy(ino), self.config.frame_size,
+                             self.nursery, self.counters)
+            self.open_files[ino] = state
+        state.handles += 1
+        return state
+
+    async def _release_state(self, state: OpenFile) -> None:
+        state.handles -= 1
+        if state.handles > 0:
+            return
+        if state.modified and not state.corrupt:
+            try:  # data written after the last flush (e.g. through mmap): the kernel discards our answer
+                await self._commit(state, durable=False)
+            except Exception as e:
+                log.warning("inode %d: unsaved data discarded at release: %s", state.ino, e)
+        if state.handles == 0 and self.open_files.get(state.ino) is state:
+            del self.open_files[state.ino]
+            await self._maybe_delete(state.ino)
+
+    async def _commit(self, state: OpenFile, durable: bool) -> None:
+        row = self.index.get(state.ino)
+        if row is None or row["nlink"] == 0:
+            return  # unlinked: nobody can open it again, keep its data in memory only
+        if await state.commit(durable=durable):
+            await trio.to_thread.run_sync(_invalidate_attrs, state.ino)
+
+    def _new_handle(self, handle: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = handle
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise _err(errno.EBADF) from None
+
+    @_guard
+    async def open(self, inode, flags, ctx):
+        if inode == STATS_INODE:
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
+                raise _err(errno.EACCES)
+            fh = self._new_handle(Handle(inode, None, flags, self.render_stats()))
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        row = self._row(inode)
+        if stat.S_ISDIR(row["mode"]):
+            raise _err(errno.EISDIR)
+        state = self._acquire(inode, row)
+        try:
+            if flags & os.O_TRUNC and state.size:
+                await state.truncate(0)
+        except BaseException:
+            await self._release_state(state)
+            raise
+        return pyfuse3.FileInfo(fh=self._new_handle(Handle(inode, state, flags)))
+
+    @_guard
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        self._check_name(name)
+        self._check_mutable_dir(parent_inode, name)
+        if self.index.lookup(parent_inode, name) is not None:
+            raise _err(errno.EEXIST)
+        ino = self.index.create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        row = self._row(ino)
+        state = self._acquire(ino, row)
+        fh = self._new_handle(Handle(ino, state, flags))
+        self._ref(ino)
+        return pyfuse3.FileInfo(fh=fh), self._attrs(row)
+
+    @_guard
+    async def read(self, fh, off, size):
+        h = self._handle(fh)
+        if h.state is None:
+            return h.snapshot[off:off + size]
+        data = await h.state.read(off, size)
+        self.counters.bytes_read += len(data)
+        self.index.note_access(h.ino)
+        return data
+
+    @_guard
+    async def write(self, fh, off, buf):
+        h = self._handle(fh)
+        if h.state is None:
+            raise _err(errno.EBADF)
+        n = await h.state.write(off, buf)
+        self.counters.bytes_written += n
+        return n
+
+    @_guard
+    async def flush(self, fh):
+        h = self._handle(fh)
+        if h.state is not None:
+            await self._commit(h.state, durable=False)
+
+    @_guard
+    async def fsync(self, fh, datasync):
+        h = self._handle(fh)
+        if h.state is not None:
+            await self._commit(h.state, durable=True)
+            await trio.to_thread.run_sync(self.index.sync)
+
+    @_guard
+    async def release(self, fh):
+        h = self.handles.pop(fh, None)
+        if h is not None and h.state is not None:
+            await self._release_state(h.state)
+
+    # -- namespace ---------------------------------------------------------------------------------
+    async def _make(self, parent: int, name: bytes, mode: int, ctx, rdev: int = 0,
+                    target: bytes | None = None) -> pyfuse3.EntryAttributes:
+        self._check_name(name)
+        self._check_mutable_dir(parent, name)
+        prow = self._row(parent)
+        if not stat.S_ISDIR(prow["mode"]):
+            raise _err(errno.ENOTDIR)
+        if self.index.lookup(parent, name) is not None:
+            raise _err(errno.EEXIST)
+        ino = self.index.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        return self._entry(ino)
+
+    @_guard
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return await self._make(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode), ctx)
+
+    @_guard
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            raise _err(errno.EPERM)  # device nodes make no sense in a cache
+        return await self._make(parent_inode, name, mode, ctx, 0)
+
+    @_guard
+    async def symlink(self, parent_inode, name, target, ctx):
+        if len(target) > 4095:
+            raise _err(errno.ENAMETOOLONG)
+        return await self._make(parent_inode, name, stat.S_IFLNK | 0o777, ctx, target=bytes(target))
+
+    @_guard
+    async def readlink(self, inode, ctx):
+        row = self._row(inode)
+        if not stat.S_ISLNK(row["mode"]):
+            raise _err(errno.EINVAL)
+        return row["target"]
+
+    @_guard
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        self._check_name(new_name)
+        self._check_mutable_dir(new_parent_inode, new_name)
+        row = self._row(inode)
+        if stat.S_ISDIR(row["mode"]):
+            raise _err(errno.EPERM)
+        if self.index.lookup(new_parent_inode, new_name) is not None:
+            raise _err(errno.EEXIST)
+        self.index.link(inode, new_parent_inode, new_name)
+        return self._entry(inode)
+
+    @_guard
+    async def unlink(self, parent_inode, name, ctx):
+        self._check_mutable_dir(parent_inode, name)
+        ino = self.index.lookup(parent_inode, name)
+        if ino is None:
+            raise _err(errno.ENOENT)
+        if stat.S_ISDIR(self._row(ino)["mode"]):
+            raise _err(errno.EISDIR)
+        self.index.remove_entry(parent_inode, name, ino, is_dir=False)
+        await self._maybe_delete(ino)
+
+    @_guard
+    async def rmdir(self, parent_inode, name, ctx):
+        self._check_mutable_dir(parent_inode, name)
+        ino = self.index.lookup(parent_inode, name)
+        if ino is None:
+            raise _err(errno.ENOENT)
+        if not stat.S_ISDIR(self._row(ino)["mode"]):
+            raise _err(errno.ENOTDIR)
+        if self.index.has_children(ino):
+            raise _err(errno.ENOTEMPTY)
+        self.index.remove_entry(parent_inode, name, ino, is_dir=True)
+        await self._maybe_delete(ino)
+
+    @_guard
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self._check_name(name_new)
+        self._check_mutable_dir(parent_inode_old, name_old)
+        self._check_mutable_dir(parent_inode_new, name_new)
+        if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE):
+            raise _err(errno.EINVAL)
+        ino = self.index.lookup(parent_inode_old, name_old)
+        if ino is None:
+            raise _err(errno.ENOENT)
+        target = self.index.lookup(parent_inode_new, name_new)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            if target is None:
+                raise _err(errno.ENOENT)
+            self.index.exchange(parent_inode_old, name_old, parent_inode_new, name_new)
+            return
+        if target is not None and flags & pyfuse3.RENAME_NOREPLACE:
+            raise _err(errno.EEXIST)
+        if target == ino:
+            return  # two names of one inode: POSIX says do nothing
+        moved_is_dir = stat.S_ISDIR(self._row(ino)["mode"])
+        replaced = None
+        if target is not None:
+            target_is_dir = stat.S_ISDIR(self._row(target)["mode"])
+            if moved_is_dir and not target_is_dir:
+                raise _err(errno.ENOTDIR)
+            if target_is_dir and not moved_is_dir:
+                raise _err(errno.EISDIR)
+            if target_is_dir and self.index.has_children(target):
+                raise _err(errno.ENOTEMPTY)
+            replaced = (target, target_is_dir)
+        self.index.rename(parent_inode_old, name_old, parent_inode_new, name_new, moved_is_dir, replaced)
+        if target is not None:
+            await self._maybe_delete(target)
+
+    # -- directories -------------------------------------------------------------------------------
+    @_guard
+    async def opendir(self, inode, ctx):
+        if inode == KVFS_DIR_INODE:
+            return inode
+        if not stat.S_ISDIR(self._row(inode)["mode"]):
+            raise _err(errno.ENOTDIR)
+        return inode
+
+    @_guard
+    async def readdir(self, fh, start_id, token):
+        # cookies: 1 = the virtual .kvfs entry in the root; entry id + 1 for real entries
+        if fh == KVFS_DIR_INODE:
+            if start_id < 1:
+                pyfuse3.readdir_reply(token, STATS_NAME, self._virtual_attrs(STATS_INODE), 1)
+            return
+        if fh == ROOT_INODE and start_id < 1:
+            if not pyfuse3.readdir_reply(token, KVFS_DIR_NAME, self._virtual_attrs(KVFS_DIR_INODE), 1):
+                return
+        after = max(start_id - 1, 0)
+        while True:
+            rows = self.index.readdir(fh, after)
+            if not rows:
+                return
+            for row in rows:
+                if not pyfuse3.readdir_reply(token, row["name"], self._attrs(row), row["cookie"] + 1):
+                    return
+                self._ref(row["id"])
+                after = row["cookie"]
+
+    @_guard
+    async def releasedir(self, fh):
+        return None
+
+    @_guard
+    async def fsyncdir(self, fh, datasync):
+        await trio.to_thread.run_sync(self.index.sync)
+
+    @_guard
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        capacity = sum(t.capacity for t in self.store.order)
+        used = sum(t.used_bytes for t in self.store.order)
+        s.f_bsize = s.f_frsize = BLOCK
+        s.f_blocks = capacity // BLOCK
+        s.f_bfree = s.f_bavail = max(0, capacity - used) // BLOCK
+        inodes = self.index.count_inodes()
+        s.f_files = inodes + (1 << 24)
+        s.f_ffree = s.f_favail = 1 << 24
+        s.f_namemax = NAME_MAX
+        return s
+
+    # -- extended attributes -------------------------------------------------------------------------
+    def _info_xattr(self, row, name: bytes) -> bytes:
+        key = name[len(XA_PREFIX):].decode()
+        if key == "stored_bytes":
+            return str(row["stored_bytes"]).encode()
+        value = {"tier": row["obj_tier"], "codec": row["codec"], "transform": row["transform"]}[key]
+        return (value or "none").encode()
+
+    @_guard
+    async def getxattr(self, inode, name, ctx):
+        if inode in (KVFS_DIR_INODE, STATS_INODE):
+            raise _err(pyfuse3.ENOATTR)
+        row = self._row(inode)
+        if name in INFO_XATTRS and stat.S_ISREG(row["mode"]):
+            return self._info_xattr(row, name)
+        if not name.startswith(b"user."):
+            raise _err(pyfuse3.ENOATTR)
+        value = self.index.get_xattr(inode, name)
+        if value is None:
+            raise _err(pyfuse3.ENOATTR)
+        return value
+
+    @_guard
+    async def listxattr(self, inode, ctx):
+        if inode in (KVFS_DIR_INODE, STATS_INODE):
+            return []
+        row = self._row(inode)
+        names = self.index.list_xattrs(inode)
+        if stat.S_ISREG(row["mode"]):
+            names = [*INFO_XATTRS, *names]
+        return names
+
+    @_guard
+    async def setxattr(self, inode, name, value, ctx):
+        if inode in (KVFS_DIR_INODE, STATS_INODE):
+            raise _err(errno.EPERM)
+        self._row(inode)
+        if len(name) > XATTR_NAME_MAX:
+            raise _err(errno.ERANGE)
+        if len(value) > XATTR_SIZE_MAX:
+            raise _err(errno.E2BIG)
+        if not name.startswith(b"user."):
+            raise _err(errno.EOPNOTSUPP)
+        if name in INFO_XATTRS:
+            return  # informational, recomputed by kvfs: copying files with their xattrs must not fail
+        if name == XA_DTYPE:
+            dtype = bytes(value).decode(errors="replace").strip()
+            if dtype not in SETTABLE_DTYPES:
+                log.info("rejected user.kvfs.dtype=%r (choose one of %s)", dtype, ", ".join(SETTABLE_DTYPES))
+                raise _err(errno.EINVAL)
+            self.index.set_xattr(inode, name, dtype.encode())
+            state = self.open_files.get(inode)
+            if state is not None:
+                state.policy = EncodingPolicy(self.codec, dtype)
+            return
+        if name.startswith(XA_PREFIX):
+            raise _err(errno.EOPNOTSUPP)
+        self.index.set_xattr(inode, name, bytes(value))
+
+    @_guard
+    async def removexattr(self, inode, name, ctx):
+        if inode in (KVFS_DIR_INODE, STATS_INODE):
+            raise _err(errno.EPERM)
+        self._row(inode)
+        if name in INFO_XATTRS:
+            return
+        if not self.index.remove_xattr(inode, name):
+            raise _err(pyfuse3.ENOATTR)
+        if name == XA_DTYPE and inode in self.open_files:
+            self.open_files[inode].policy = EncodingPolicy(self.codec, self.config.dtype)
+
+    # -- corruption, stats, shutdown ----------------------------------------------------------------
+    async def drop_corrupt(self, err: FileCorrupt) -> None:
+        """A checksum failed: count and log it, and make the file a miss for every later caller."""
+        try:
+            with trio.CancelScope(shield=True):
+                names = self.index.entries_of(err.ino)
+                if not names:
+                    return  # already dropped by an earlier request
+                self.counters.checksum_failures += 1
+                log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
+                          ", ".join(repr(n) for _, n in names), err.reason)
+                self.index.drop_file(err.ino)
+                for parent, name in names:
+                    try:
+                        pyfuse3.invalidate_entry_async(parent, name, deleted=err.ino)
+                    except Exception:
+                        log.debug("invalidate_entry_async failed", exc_info=True)
+        except Exception:
+            log.exception("dropping corrupt inode %d failed", err.ino)
+
+    def render_stats(self) -> bytes:
+        return stats_mod.render(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
+                                config=self.config, started=self.started, open_files=len(self.open_files),
+                                dirty_bytes=sum(s.dirty_bytes() for s in self.open_files.values()))
+
+    async def commit_all(self) -> None:
+        """At shutdown: commit files still open with unsaved writes (best effort, logged)."""
+        for state in list(self.open_files.values()):
+            if state.modified and not state.corrupt:
+                try:
+                    await self._commit(state, durable=False)
+                except Exception as e:
+                    log.warning("inode %d: unsaved data lost at shutdown: %s", state.ino, e)
+
+
+def _invalidate_attrs(ino: int) -> None:
+    """Tell the kernel that size/blocks changed (du right after close must see the stored size)."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError:
+        pass  # the kernel may have forgotten the inode already

@@ -1,0 +1,415 @@
+"""The state of a regular file in use, per inode and shared by all its handles.
+
+Reads are served from dirty frames, a small decoded-frame cache (with read-ahead of the next frame) or the
+committed object. Writes fill dirty frames in memory; a frame completed by sequential writes is encoded
+at once in a worker thread (so close() mostly only writes the object). commit() — called on flush (close)
+and fsync — encodes what is left, writes a new object, switches the index row in one transaction and only
+then deletes the old object. Mutations and commits of one file are serialised by `lock`; reads are not.
+
+Invariants:
+- bytes of dirty frames at offsets >= size are zero (truncate zeroes the tail of the last frame);
+- bytes [0, clean_limit) of the committed object are still the file's content where no dirty frame
+  covers them; beyond clean_limit the file reads as zeros unless dirty.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import trio
+
+from . import codecs
+from . import format as fmt
+from .codecs import transforms
+from .index import Index
+from .store import Layout, ObjectRef, Store
+
+log = logging.getLogger(__name__)
+
+CACHE_FRAMES = 4  # decoded frames kept per open file
+MAX_EAGER = 8  # eager frame encodes queued per file
+SAMPLE_BYTES = 64 << 10  # sample used to choose a transform
+
+
+class FileCorrupt(Exception):
+    """A file's object failed verification; the file must be dropped and the caller answered EIO."""
+
+    def __init__(self, ino: int, reason: str) -> None:
+        super().__init__(f"inode {ino}: {reason}")
+        self.ino = ino
+        self.reason = reason
+
+
+class _StaleObject(Exception):
+    """The object read was replaced by a commit while we read it; retry with the current one."""
+
+
+class DirtyFrame:
+    __slots__ = ("buf", "version", "filled", "encoded")
+
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
+        self.version = 0
+        self.filled = 0  # [0, filled) written sequentially since the frame became dirty
+        self.encoded: tuple[int, fmt.EncodedFrame] | None = None  # (version it encodes, frame)
+
+
+class EncodingPolicy:
+    """How new frames of a file are encoded: codec and transform (per file, from dtype or a sample)."""
+
+    def __init__(self, codec: codecs.Codec, dtype: str) -> None:
+        self.codec = codec
+        self.dtype = dtype  # 'auto', 'none' or a format.DTYPES name
+        self.transform: int | None = None if dtype == "auto" else _transform_for_dtype(dtype)
+        if codec.id == codecs.NoneCodec.id:
+            self.transform = transforms.IDENTITY
+
+    @property
+    def element_size(self) -> int:
+        if self.dtype in fmt.DTYPE_ELEMENT_SIZE:
+            return fmt.DTYPE_ELEMENT_SIZE[self.dtype]
+        return 2 if self.transform == transforms.BYTEPLANE2 else 1
+
+    def encode(self, raw) -> fmt.EncodedFrame:
+        """Runs in a worker thread."""
+        if self.transform is None:
+            self.transform = self._choose_transform(raw)
+        return fmt.encode_frame(raw, self.codec, self.transform)
+
+    def _choose_transform(self, raw) -> int:
+        sample = bytes(raw[: SAMPLE_BYTES])
+        sample = sample[: len(sample) // 2 * 2]
+        if not sample:
+            return transforms.IDENTITY
+        plain = len(self.codec.compress(sample))
+        planes = len(self.codec.compress(transforms.apply(transforms.BYTEPLANE2, sample)))
+        return transforms.BYTEPLANE2 if planes < plain * 0.99 else transforms.IDENTITY
+
+
+def _transform_for_dtype(dtype: str) -> int:
+    return transforms.BYTEPLANE2 if fmt.DTYPE_ELEMENT_SIZE.get(dtype) == 2 else transforms.IDENTITY
+
+
+class OpenFile:
+    def __init__(self, ino: int, row, store: Store, index: Index, policy: EncodingPolicy,
+                 frame_size: int, nursery: trio.Nursery, counters) -> None:
+        self.ino = ino
+        self.store = store
+        self.index = index
+        self.policy = policy
+        self.frame_size = frame_size
+        self.nursery = nursery
+        self.counters = counters
+        self.size: int = row["size"]
+        self.clean_limit = self.size
+        self.ref: ObjectRef | None = (ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
+                                      if row["obj_gen"] else None)
+        self.next_gen = row["obj_gen"] + 1
+        self._layout: tuple[ObjectRef, Layout] | None = None
+        self.dirty: dict[int, DirtyFrame] = {}
+        self.modified = False
+        self.mtime_ns: int | None = None
+        self.lock = trio.Lock()
+        self.cache: OrderedDict[tuple[int, int], bytes | bytearray] = OrderedDict()
+        self.inflight: dict[tuple[int, int], trio.Event] = {}
+        self.handles = 0
+        self.corrupt: str | None = None
+        self._eager = 0
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _frame_len(self, i: int, size: int) -> int:
+        return min(self.frame_size, size - i * self.frame_size)
+
+    def dirty_bytes(self) -> int:
+        return len(self.dirty) * self.frame_size
+
+    def _check_usable(self) -> None:
+        if self.corrupt:
+            raise FileCorrupt(self.ino, self.corrupt)
+
+    async def _layout_of(self, ref: ObjectRef) -> Layout:
+        if self._layout is not None and self._layout[0] is ref:
+            return self._layout[1]
+        try:
+            layout = await self.store.load_layout(ref)
+        except fmt.CorruptObject as e:
+            raise self._mark_corrupt(str(e)) from e
+        except FileNotFoundError:
+            raise self._stale_or_vanished(ref) from None
+        if self.ref is ref:
+            self._layout = (ref, layout)
+        return layout
+
+    def _mark_corrupt(self, reason: str) -> FileCorrupt:
+        self.corrupt = reason
+        return FileCorrupt(self.ino, reason)
+
+    def _stale_or_vanished(self, ref: ObjectRef) -> Exception:
+        if self.ref is not ref:
+            return _StaleObject()
+        return self._mark_corrupt(f"object {ref.object_id} vanished from {ref.tier}")
+
+    async def _committed_frame(self, i: int):
+        """Raw bytes of frame i of the committed object, or None where the file reads as zeros."""
+        while True:
+            ref = self.ref
+            if ref is None or i * self.frame_size >= self.clean_limit:
+                return None
+            try:
+                layout = await self._layout_of(ref)
+                if i >= len(layout.frames) or layout.frames[i].is_hole:
+                    return None
+                return await self._decoded(ref, layout.frames[i], i)
+            except _StaleObject:
+                continue
+
+    async def _decoded(self, ref: ObjectRef, entry: fmt.FrameEntry, i: int):
+        key = (ref.gen, i)
+        while True:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+            event = self.inflight.get(key)
+            if event is None:
+                break
+            await event.wait()
+            self._check_usable()
+            if self.ref is not ref and key not in self.cache:
+                raise _StaleObject()
+        event = self.inflight[key] = trio.Event()
+        try:
+            data = await self.store.read_frame(ref, entry)
+            self.counters.frames_decoded += 1
+        except fmt.CorruptObject as e:
+            raise self._mark_corrupt(f"frame {i}: {e}") from e
+        except FileNotFoundError:
+            raise self._stale_or_vanished(ref) from None
+        finally:
+            del self.inflight[key]
+            event.set()
+        self._cache_put(key, data)
+        return data
+
+    def _cache_put(self, key, data) -> None:
+        self.cache[key] = data
+        self.cache.move_to_end(key)
+        while len(self.cache) > CACHE_FRAMES:
+            self.cache.popitem(last=False)
+
+    async def _prefetch(self, ref: ObjectRef, i: int) -> None:
+        try:
+            layout = await self._layout_of(ref)
+            if i < len(layout.frames) and not layout.frames[i].is_hole:
+                await self._decoded(ref, layout.frames[i], i)
+        except (FileCorrupt, _StaleObject, OSError) as e:
+            log.debug("read-ahead of inode %d frame %d: %s", self.ino, i, e)
+
+    # -- reads -----------------------------------------------------------------------------------
+    async def read(self, off: int, size: int) -> bytes:
+        self._check_usable()
+        end = min(off + size, self.size)
+        parts = []
+        pos = off
+        F = self.frame_size
+        while pos < end:
+            i, fo = divmod(pos, F)
+            n = min(F - fo, end - pos)
+            raw = None if i in self.dirty else await self._committed_frame(i)
+            df = self.dirty.get(i)  # checked again: a write may have landed while we awaited
+            if df is not None:
+                parts.append(bytes(df.buf[fo:fo + n]))
+            elif raw is None:
+                parts.append(bytes(n))
+            else:
+                chunk = raw[fo:fo + n]
+                parts.append(chunk if len(chunk) == n else bytes(chunk) + bytes(n - len(chunk)))
+            pos += n
+        if end > off:
+            self._maybe_read_ahead((end - 1) // F, end)
+        return b"".join(parts)
+
+    def _maybe_read_ahead(self, i: int, end: int) -> None:
+        F = self.frame_size
+        ref = self.ref
+        nxt = i + 1
+        if (ref is None or end - i * F < F // 2 or nxt * F >= self.clean_limit or nxt in self.dirty
+                or (ref.gen, nxt) in self.cache or (ref.gen, nxt) in self.inflight):
+            return
+        self.nursery.start_soon(self._prefetch, ref, nxt)
+
+    # -- writes ----------------------------------------------------------------------------------
+    async def _materialize(self, i: int) -> DirtyFrame:
+        """Make frame i dirty, starting from its committed content. Caller holds the lock."""
+        buf = bytearray(self.frame_size)
+        raw = await self._committed_frame(i)
+        if raw is not None:
+            buf[: len(raw)] = raw
+        df = self.dirty[i] = DirtyFrame(buf)
+        return df
+
+    async def write(self, off: int, data: bytes) -> int:
+        self._check_usable()
+        end = off + len(data)
+        if end > fmt.MAX_FILE_SIZE:
+            raise OSError(27, "file too large")  # EFBIG
+        F = self.frame_size
+        view = memoryview(data)
+        async with self.lock:
+            pos = off
+            while pos < end:
+                i, fo = divmod(pos, F)
+                n = min(F - fo, end - pos)
+                df = self.dirty.get(i) or await self._materialize(i)
+                df.buf[fo:fo + n] = view[pos - off:pos - off + n]
+                df.version += 1
+                if fo <= df.filled:
+                    df.filled = max(df.filled, fo + n)
+                    if df.filled == F:
+                        self._encode_early(i, df)
+                pos += n
+            self.size = max(self.size, end)
+            self.modified = True
+            self.mtime_ns = time.time_ns()
+        return len(data)
+
+    async def truncate(self, new_size: int) -> None:
+        self._check_usable()
+        if new_size > fmt.MAX_FILE_SIZE:
+            raise OSError(27, "file too large")  # EFBIG
+        F = self.frame_size
+        async with self.lock:
+            if new_size < self.size:
+                keep = -(-new_size // F)
+                for i in [k for k in self.dirty if k >= keep]:
+                    del self.dirty[i]
+                tail = new_size % F
+                if tail:
+                    i = new_size // F
+                    df = self.dirty.get(i) or await self._materialize(i)
+                    df.buf[tail:] = bytes(F - tail)
+                    df.version += 1
+                    df.filled = min(df.filled, tail)
+                self.clean_limit = min(self.clean_limit, new_size)
+            self.size = new_size
+            self.modified = True
+            self.mtime_ns = time.time_ns()
+
+    def _encode_early(self, i: int, df: DirtyFrame) -> None:
+        if self._eager < MAX_EAGER:
+            self._eager += 1
+            self.nursery.start_soon(self._encode_in_background, i, df, df.version)
+
+    async def _encode_in_background(self, i: int, df: DirtyFrame, version: int) -> None:
+        try:
+            encoded = await self.store.cpu(self.policy.encode, df.buf)
+            self.counters.frames_encoded += 1
+            if df.version == version and self.dirty.get(i) is df:
+                df.encoded = (version, encoded)
+        except Exception:  # the commit encodes it again and reports any error
+            log.debug("early encode of inode %d frame %d failed", self.ino, i, exc_info=True)
+        finally:
+            self._eager -= 1
+
+    # -- commit ----------------------------------------------------------------------------------
+    async def commit(self, durable: bool = False) -> bool:
+        """Encode and publish the file's current content. Returns True if a new object was written."""
+        async with self.lock:
+            self._check_usable()
+            if not self.modified:
+                return False
+            try:
+                await self._commit_locked(durable)
+            except BaseException:
+                self.counters.commit_failures += 1
+                raise
+            self.counters.commits += 1
+            return True
+
+    async def _commit_locked(self, durable: bool) -> None:
+        size = self.size
+        n = -(-size // self.frame_size)
+        old = self.ref
+        layout = await self._layout_of(old) if old is not None and self.clean_limit > 0 else None
+        reusable = self._reusable_entries(layout, n, size)
+        # clean frames whose length changes (the old last frame, now followed by more) are re-encoded
+        for i in range(n):
+            if i not in self.dirty and i in reusable and reusable[i].raw_len != self._frame_len(i, size):
+                if not reusable[i].is_hole:
+                    await self._materialize(i)
+                del reusable[i]
+
+        frames: list[fmt.EncodedFrame | None] = [None] * n
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                df = self.dirty.get(i)
+                length = self._frame_len(i, size)
+                if df is not None:
+                    if df.encoded and df.encoded[0] == df.version and df.encoded[1].raw_len == length:
+                        frames[i] = df.encoded[1]
+                    else:
+                        nursery.start_soon(self._encode_into, frames, i, memoryview(df.buf)[:length])
+                elif i in reusable and not reusable[i].is_hole:
+                    nursery.start_soon(self._copy_into, frames, i, old, reusable[i])
+                else:
+                    frames[i] = fmt.EncodedFrame.hole(length)
+
+        mtime = self.mtime_ns or time.time_ns()
+        if n == 0:
+            self.index.switch_object(self.ino, gen=0, tier=None, size=0, stored_bytes=0, codec=None,
+                                     transform=None, mtime_ns=mtime)
+            new_ref, new_layout = None, None
+        else:
+            header = fmt.Header(raw_size=size, frame_size=self.frame_size, n_frames=n,
+                                transform=self.policy.transform or transforms.IDENTITY,
+                                element_size=self.policy.element_size, codec=self.policy.codec.id,
+                                dtype=fmt.DTYPES.get(self.policy.dtype, 0))
+            parts, entries = fmt.build_object(header, frames)
+            gen = self.next_gen
+            self.next_gen += 1
+            new_ref = await self.store.put(self.ino, gen, parts, replacing=old, durable=durable)
+            self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,
+                                     stored_bytes=new_ref.stored_bytes, codec=_summary_codec(frames),
+                                     transform=transforms.NAMES[header.transform], mtime_ns=mtime)
+            new_layout = Layout(header, entries)
+        self._publish(new_ref, new_layout, size)
+        if old is not None:
+            await self.store.delete(old)
+
+    def _reusable_entries(self, layout: Layout | None, n: int, size: int) -> dict[int, fmt.FrameEntry]:
+        if layout is None:
+            return {}
+        F = self.frame_size
+        limit = min(n, len(layout.frames))
+        return {i: layout.frames[i] for i in range(limit) if i * F < self.clean_limit}
+
+    def _publish(self, ref: ObjectRef | None, layout: Layout | None, size: int) -> None:
+        """After the index switch: readers move to the new object; committed dirty frames become cache."""
+        self.ref = ref
+        self._layout = (ref, layout) if ref is not None else None
+        self.cache.clear()
+        if ref is not None:
+            for i in sorted(self.dirty)[-CACHE_FRAMES:]:
+                self._cache_put((ref.gen, i), memoryview(self.dirty[i].buf)[: self._frame_len(i, size)])
+        self.dirty.clear()
+        self.clean_limit = size
+        self.modified = False
+        self.mtime_ns = None
+
+    async def _encode_into(self, frames: list, i: int, raw: memoryview) -> None:
+        frames[i] = await self.store.cpu(self.policy.encode, raw)
+        self.counters.frames_encoded += 1
+
+    async def _copy_into(self, frames: list, i: int, ref: ObjectRef, entry: fmt.FrameEntry) -> None:
+        """Reuse a clean frame's compressed bytes as they are (verified, not recompressed)."""
+        payload = await self.store.read_payload(ref, entry)
+        if len(payload) != entry.stored_len or fmt.xxh3(payload) != entry.stored_xxh3:
+            raise self._mark_corrupt(f"frame {i}: payload checksum mismatch while re-committing")
+        frames[i] = fmt.EncodedFrame.from_entry(entry, payload)
+
+
+def _summary_codec(frames) -> str:
+    names = sorted({codecs.by_id(f.codec).name for f in frames if not f.is_hole})
+    return "+".join(names) if names else "none"
+

@@ -1,0 +1,58 @@
+"""Counters kept by the daemon and the JSON document served as .kvfs/stats."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+
+@dataclasses.dataclass
+class Counters:
+    bytes_written: int = 0  # logical bytes accepted by write()
+    bytes_read: int = 0  # logical bytes returned by read()
+    commits: int = 0  # objects committed (flush/fsync with changes)
+    commit_failures: int = 0  # commits answered with an error (ENOSPC, EIO, …)
+    frames_encoded: int = 0
+    frames_decoded: int = 0
+    checksum_failures: int = 0  # corrupt objects detected (each dropped from the index)
+    errors: int = 0  # unexpected exceptions answered with EIO
+    reconcile_orphans_removed: int = 0
+    reconcile_rows_dropped: int = 0
+
+
+def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]], config, started: float,
+           open_files: int, dirty_bytes: int) -> bytes:
+    tier_docs = {}
+    logical_all = stored_all = 0
+    for t in tiers:
+        files, logical, stored = totals.get(t.name, (0, 0, 0))
+        logical_all += logical
+        stored_all += stored
+        tier_docs[t.name] = {
+            "path": str(getattr(t, "root", "")),
+            "persistent": t.persistent,
+            "capacity_bytes": t.capacity,
+            "used_bytes": t.used_bytes,
+            "files": t.files,
+            "logical_bytes": logical,
+            "compression_ratio": round(stored / logical, 4) if logical else None,
+        }
+    doc = {
+        "version": 1,
+        "pid": os.getpid(),
+        "mountpoint": str(config.mountpoint),
+        "uptime_s": round(time.monotonic() - started, 1),
+        "codec": config.codec,
+        "dtype": config.dtype,
+        "frame_size": config.frame_size,
+        "tiers": tier_docs,
+        "logical_bytes": logical_all,
+        "stored_bytes": stored_all,
+        "compression_ratio": round(stored_all / logical_all, 4) if logical_all else None,
+        "open_files": open_files,
+        "dirty_bytes": dirty_bytes,
+        **dataclasses.asdict(counters),
+    }
+    return (json.dumps(doc, indent=2) + "\n").encode()

@@ -1,0 +1,57 @@
+"""The tier interface: a flat store of immutable encoded objects with a byte capacity.
+
+Methods are blocking and are called from worker threads (behind the tier's I/O limiter), never from the
+trio thread. Object ids are opaque ASCII strings chosen by the caller and never reused. Usage accounting
+(used_bytes, files) is owned by the caller on the trio thread; `scan` seeds it at start.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    object_id: str
+    size: int
+
+
+class Tier(abc.ABC):
+    def __init__(self, name: str, capacity: int, persistent: bool) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.persistent = persistent  # survives a reboot: puts are fsynced
+        self.used_bytes = 0
+        self.files = 0
+
+    def free_bytes(self) -> int:
+        return max(0, self.capacity - self.used_bytes)
+
+    @abc.abstractmethod
+    def put(self, object_id: str, parts: Sequence[bytes], durable: bool) -> int:
+        """Atomically create the object from parts (temp name, rename); fsync when durable. Returns size."""
+
+    @abc.abstractmethod
+    def read(self, object_id: str, offset: int, length: int) -> bytes:
+        """Read a byte range; a short result means the object is shorter (corrupt or truncated)."""
+
+    @abc.abstractmethod
+    def size_of(self, object_id: str) -> int | None:
+        """Size of the object, None when absent."""
+
+    @abc.abstractmethod
+    def delete(self, object_id: str) -> None:
+        """Remove the object; absent objects are not an error."""
+
+    @abc.abstractmethod
+    def scan(self) -> Iterator[ObjectInfo]:
+        """Every complete object held (temp files excluded)."""
+
+    @abc.abstractmethod
+    def remove_temporaries(self) -> int:
+        """Delete leftovers of interrupted puts; returns how many."""
+
+    def sync(self) -> None:
+        """Make completed puts durable (no-op where put was already durable or the tier is volatile)."""

@@ -1,0 +1,110 @@
+"""A tier in a local directory: L2 on tmpfs, L3 on an SSD, or L4 on a mounted distributed filesystem.
+
+Layout: <root>/<2 hex digits>/<object_id>; puts go to <object_id>.tmp first. Directories are 0700 and
+objects 0600 so other users cannot read cached KV through the backing store.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from .base import ObjectInfo, Tier
+
+TMP_SUFFIX = ".tmp"
+
+
+class DirectoryTier(Tier):
+    def __init__(self, name: str, root: Path, capacity: int, persistent: bool) -> None:
+        super().__init__(name, capacity, persistent)
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+
+    def _path(self, object_id: str) -> Path:
+        shard = format(hash_shard(object_id), "02x")
+        return self.root / shard / object_id
+
+    def put(self, object_id: str, parts: Sequence[bytes], durable: bool) -> int:
+        path = self._path(object_id)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            size = 0
+            for part in parts:
+                view = memoryview(part)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                    size += n
+            if durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        os.rename(tmp, path)
+        if durable:
+            _fsync_dir(path.parent)
+        return size
+
+    def read(self, object_id: str, offset: int, length: int) -> bytes:
+        fd = os.open(self._path(object_id), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def size_of(self, object_id: str) -> int | None:
+        try:
+            return self._path(object_id).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def delete(self, object_id: str) -> None:
+        _unlink_quietly(self._path(object_id))
+
+    def scan(self) -> Iterator[ObjectInfo]:
+        for shard in self.root.iterdir():
+            if not shard.is_dir():
+                continue
+            for entry in os.scandir(shard):
+                if entry.is_file(follow_symlinks=False) and not entry.name.endswith(TMP_SUFFIX):
+                    yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size)
+
+    def remove_temporaries(self) -> int:
+        removed = 0
+        for tmp in self.root.glob("*/*" + TMP_SUFFIX):
+            _unlink_quietly(tmp)
+            removed += 1
+        return removed
+
+
+def hash_shard(object_id: str) -> int:
+    """Spread objects over 256 subdirectories by a stable hash of the id."""
+    h = 0
+    for ch in object_id.encode():
+        h = (h * 31 + ch) & 0xFFFF
+    return h & 0xFF
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
