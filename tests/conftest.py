@@ -1,0 +1,146 @@
+"""Test fixtures: a real kvfs mount run as `kvfs mount --foreground` in a subprocess.
+
+The fixture fails the test when the daemon died, exited non-zero, or logged an unexpected error
+(ERROR/CRITICAL lines or tracebacks not declared with `mount.expect_log(pattern)`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+KV_DATA = REPO / "tests" / "data" / "kv"
+FUSERMOUNT = shutil.which("fusermount3") or "fusermount3"
+_BAD_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
+
+
+class KvfsMount:
+    def __init__(self, root: Path, name: str = "mnt") -> None:
+        self.root = root
+        self.mountpoint = root / name
+        self.l2 = root / f"{name}-l2"
+        self.state = root / f"{name}-state"
+        self.log_path = root / f"{name}.log"
+        self.mountpoint.mkdir(exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.allowed: list[re.Pattern] = []
+        self.args: list[str] = []
+        self.exit_codes: list[int] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self, *args: str, l2_size: str = "512M", timeout: float = 20.0) -> "KvfsMount":
+        self.args = [*args]
+        if not any(a.startswith("--l2") for a in args):
+            self.args += ["--l2", f"{self.l2}:{l2_size}"]
+        if "--state-dir" not in args:
+            self.args += ["--state-dir", str(self.state)]
+        cmd = [sys.executable, "-m", "kvfs", "mount", "--foreground", str(self.mountpoint), *self.args]
+        log = open(self.log_path, "ab")
+        log.write(f"=== start {' '.join(cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=self.root)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not os.path.ismount(self.mountpoint):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvfs exited with {self.proc.returncode} at start:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"kvfs did not mount within {timeout}s:\n{self.log_text()}")
+            time.sleep(0.02)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and os.path.ismount(self.mountpoint)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """Clean unmount; returns the daemon's exit status."""
+        assert self.proc is not None
+        if os.path.ismount(self.mountpoint):
+            subprocess.run([FUSERMOUNT, "-u", str(self.mountpoint)], check=True, capture_output=True)
+        code = self.proc.wait(timeout)
+        self.exit_codes.append(code)
+        self.proc = None
+        return code
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self.proc = None
+        subprocess.run([FUSERMOUNT, "-u", "-z", str(self.mountpoint)], capture_output=True)
+
+    def signal(self, signum: int, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        code = self.proc.wait(timeout)
+        self.exit_codes.append(code)
+        self.proc = None
+        return code
+
+    # -- inspection -------------------------------------------------------------------------------
+    def path(self, *parts: str | bytes) -> Path:
+        return self.mountpoint.joinpath(*[os.fsdecode(p) for p in parts])
+
+    def stats(self) -> dict:
+        return json.loads((self.mountpoint / ".kvfs" / "stats").read_bytes())
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def expect_log(self, pattern: str) -> None:
+        """Declare an error line this test provokes on purpose."""
+        self.allowed.append(re.compile(pattern))
+
+    def unexpected_log_lines(self) -> list[str]:
+        return [line for line in self.log_text().splitlines()
+                if _BAD_LINE.search(line) and not any(p.search(line) for p in self.allowed)]
+
+    def objects(self) -> list[Path]:
+        return sorted(p for p in self.l2.glob("*/*") if p.is_file())
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    mounts: list[KvfsMount] = []
+
+    def factory(name: str = "mnt") -> KvfsMount:
+        m = KvfsMount(tmp_path, name)
+        mounts.append(m)
+        return m
+
+    yield factory
+    problems = []
+    for m in mounts:
+        if m.proc is not None:
+            if m.proc.poll() is not None:
+                problems.append(f"kvfs {m.mountpoint} died with status {m.proc.returncode}")
+            else:
+                code = m.stop()
+                if code != 0:
+                    problems.append(f"kvfs {m.mountpoint} exited with status {code}")
+        problems += [f"{m.mountpoint}: unexpected log line: {line}" for line in m.unexpected_log_lines()]
+    if problems:
+        pytest.fail("\n".join(problems) + "\n--- log ---\n" + "\n".join(m.log_text()[-6000:] for m in mounts))
+
+
+@pytest.fixture
+def kvfs(make_mount) -> KvfsMount:
+    """A fresh mount with the default codec (zstd) and a 512 MiB L2."""
+    return make_mount().start()
+
+
+def kv_samples(dtype: str) -> list[Path]:
+    files = sorted(KV_DATA.glob(f"{dtype}-*.kv"))
+    if not files:
+        pytest.fail(f"no real KV sample for {dtype} in {KV_DATA} (produced by tools/dump_kv.py)")
+    return files
