@@ -45,8 +45,9 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
         for info in list(tier.scan()):
             key = (tier.name, info.object_id)
             expected = wanted.get(key)
-            if expected is None or expected[1] != info.size:
-                tier.delete(info.object_id)
+            misplaced = tier.size_of(info.object_id) is None  # found outside its canonical place
+            if expected is None or expected[1] != info.size or misplaced:
+                tier.discard(info)
                 report.orphans_removed += 1
                 continue
             present.add(key)

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 class ObjectInfo:
     object_id: str
     size: int
+    location: str  # where the tier found it (a path, a key): what discard() removes
 
 
 class Tier(abc.ABC):
@@ -48,6 +49,10 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def scan(self) -> Iterator[ObjectInfo]:
         """Every complete object held (temp files excluded)."""
+
+    @abc.abstractmethod
+    def discard(self, info: ObjectInfo) -> None:
+        """Remove an object found by scan (an orphan), wherever it was found."""
 
     @abc.abstractmethod
     def remove_temporaries(self) -> int:

@@ -71,10 +71,13 @@ class DirectoryTier(Tier):
     def scan(self) -> Iterator[ObjectInfo]:
         for shard in self.root.iterdir():
             if not shard.is_dir():
-                continue
+                continue  # only shard directories hold objects
             for entry in os.scandir(shard):
                 if entry.is_file(follow_symlinks=False) and not entry.name.endswith(TMP_SUFFIX):
-                    yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size)
+                    yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size, entry.path)
+
+    def discard(self, info: ObjectInfo) -> None:
+        _unlink_quietly(Path(info.location))
 
     def remove_temporaries(self) -> int:
         removed = 0
