@@ -18,6 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 
+import numpy as np
 import trio
 
 from . import codecs
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 CACHE_FRAMES = 4  # decoded frames kept per open file
 MAX_EAGER = 8  # eager frame encodes queued per file
-SAMPLE_BYTES = 64 << 10  # sample used to choose a transform
+SAMPLE_BYTES = 256 << 10  # sampled (in SAMPLE_PIECES pieces) to choose a transform
+SAMPLE_PIECES = 4
 
 
 class FileCorrupt(Exception):
@@ -79,13 +81,24 @@ class EncodingPolicy:
         return fmt.encode_frame(raw, self.codec, self.transform)
 
     def _choose_transform(self, raw) -> int:
-        sample = bytes(raw[: SAMPLE_BYTES])
-        sample = sample[: len(sample) // 2 * 2]
-        if not sample:
+        """Byte planes when they lower the order-0 entropy of a sample (what the codec's entropy stage sees).
+        The sample is spread over the frame: the first rows of a KV block can be atypical."""
+        n = len(raw) // 2 * 2
+        piece = SAMPLE_BYTES // SAMPLE_PIECES
+        pieces = [bytes(raw[start:start + piece])
+                  for start in sorted({(n * k // SAMPLE_PIECES) // 2 * 2 for k in range(SAMPLE_PIECES)})]
+        sample = np.frombuffer(b"".join(p[: len(p) // 2 * 2] for p in pieces), dtype=np.uint8)
+        if sample.size < 512:
             return transforms.IDENTITY
-        plain = len(self.codec.compress(sample))
-        planes = len(self.codec.compress(transforms.apply(transforms.BYTEPLANE2, sample)))
-        return transforms.BYTEPLANE2 if planes < plain * 0.99 else transforms.IDENTITY
+        planes = _entropy_bits(sample[1::2]) + _entropy_bits(sample[0::2])
+        return transforms.BYTEPLANE2 if planes < 0.97 * _entropy_bits(sample) else transforms.IDENTITY
+
+
+def _entropy_bits(symbols: np.ndarray) -> float:
+    """Order-0 entropy of a byte array, in bits (total)."""
+    counts = np.bincount(symbols, minlength=256)
+    p = counts[counts > 0] / symbols.size
+    return float(-(p * np.log2(p)).sum() * symbols.size)
 
 
 def _transform_for_dtype(dtype: str) -> int:
