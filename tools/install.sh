@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up kvfs on a fresh Debian/Ubuntu machine: system packages, a project venv (.venv), kvfs + test deps.
+# Idempotent; run as root (or with sudo available) for the apt step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(fuse3 libfuse3-dev pkg-config gcc fio stress-ng attr util-linux)
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+echo "kvfs installed: $(.venv/bin/kvfs --version)"
