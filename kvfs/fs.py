@@ -34,6 +34,7 @@ STATS_NAME = b"stats"
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
+INVALIDATE_WAIT_S = 2.0
 TIMEOUT = 1.0  # kernel caching of entries and attributes (one daemon owns the namespace)
 BLOCK = 4096  # statfs block unit
 
@@ -610,11 +611,12 @@ class Operations(pyfuse3.Operations):
                 log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
                           ", ".join(repr(n) for _, n in names), err.reason)
                 self.index.drop_file(err.ino)
-                for parent, name in names:
-                    try:
-                        pyfuse3.invalidate_entry_async(parent, name, deleted=err.ino)
-                    except Exception:
-                        log.debug("invalidate_entry_async failed", exc_info=True)
+                # wait (briefly) until the kernel forgot the names, so the next caller gets a miss; a worker
+                # thread keeps the trio loop serving requests the kernel may need first
+                with trio.move_on_after(INVALIDATE_WAIT_S):
+                    for parent, name in names:
+                        await trio.to_thread.run_sync(_invalidate_entry, parent, name, err.ino,
+                                                      abandon_on_cancel=True)
         except Exception:
             log.exception("dropping corrupt inode %d failed", err.ino)
 
@@ -631,6 +633,13 @@ class Operations(pyfuse3.Operations):
                     await self._commit(state, durable=False)
                 except Exception as e:
                     log.warning("inode %d: unsaved data lost at shutdown: %s", state.ino, e)
+
+
+def _invalidate_entry(parent: int, name: bytes, ino: int) -> None:
+    try:
+        pyfuse3.invalidate_entry(parent, name, deleted=ino)
+    except OSError:
+        pass  # not cached by the kernel: nothing to forget
 
 
 def _invalidate_attrs(ino: int) -> None:
