@@ -23,7 +23,7 @@ from . import stats as stats_mod
 from .codecs import by_name
 from .index import ROOT_INODE, Index
 from .openfile import EncodingPolicy, FileCorrupt, OpenFile
-from .store import Store
+from .store import ObjectRef, Store
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,6 @@ class Operations(pyfuse3.Operations):
             return
         self.index.delete_inode(ino)
         if row["obj_gen"]:
-            from .store import ObjectRef
             await self.store.delete(ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"]))
 
     @_guard

@@ -216,8 +216,8 @@ class OpenFile:
             layout = await self._layout_of(ref)
             if i < len(layout.frames) and not layout.frames[i].is_hole:
                 await self._decoded(ref, layout.frames[i], i)
-        except (FileCorrupt, _StaleObject, OSError) as e:
-            log.debug("read-ahead of inode %d frame %d: %s", self.ino, i, e)
+        except Exception as e:  # a background task must never take the daemon down; the real read reports
+            log.debug("read-ahead of inode %d frame %d: %r", self.ino, i, e)
 
     # -- reads -----------------------------------------------------------------------------------
     async def read(self, off: int, size: int) -> bytes:
