@@ -6,6 +6,8 @@ still open with unsaved data, flush batched access times, fsync and checkpoint t
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
 import logging
 import os
@@ -26,6 +28,7 @@ from .tiers import DirectoryTier
 log = logging.getLogger("kvfs")
 ACCESS_FLUSH_INTERVAL = 5.0
 CHECKPOINT_INTERVAL = 30.0
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 def setup_logging(config: Config) -> None:
@@ -40,6 +43,18 @@ def setup_logging(config: Config) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)
     logging.getLogger("pyfuse3").setLevel(logging.INFO if config.debug else logging.WARNING)
+    logging.getLogger("pyfuse3").addFilter(_StaleReplyFilter())
+
+
+class _StaleReplyFilter(logging.Filter):
+    """pyfuse3 logs ERROR when the kernel no longer waits for a reply (ENOENT), e.g. for a release whose
+    file the kernel already let go. Nothing was lost and nothing is wrong in kvfs: keep it at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "fuse_reply_" in record.getMessage() and "No such file or directory" in record.getMessage():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
 
 
 def _lock_state_dir(config: Config) -> int:
@@ -53,8 +68,21 @@ def _lock_state_dir(config: Config) -> int:
     return fd
 
 
+def _keep_frame_buffers_in_heap() -> None:
+    """Frames are 1 MiB buffers allocated and freed at a high rate. glibc serves such sizes with fresh
+    mmap()s, so every frame paid page faults and kernel zeroing (measured: zstd reads 1.8 → 1.15 CPU-s/GB
+    with this change). Keep them in the heap and do not trim it eagerly."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        log.debug("mallopt not available")
+
+
 def run(config: Config) -> int:
     """Mount and serve until unmounted or signalled. Returns the process exit status."""
+    _keep_frame_buffers_in_heap()
     lock_fd = _lock_state_dir(config)
     index = Index(config.index_path)
     tiers = [DirectoryTier(t.name, t.path, t.capacity, t.persistent) for t in config.tiers]

@@ -336,6 +336,7 @@ class Operations(pyfuse3.Operations):
         if h.state is None:
             return h.snapshot[off:off + size]
         data = await h.state.read(off, size)
+        self.counters.read_requests += 1
         self.counters.bytes_read += len(data)
         self.index.note_access(h.ino)
         return data
@@ -346,6 +347,7 @@ class Operations(pyfuse3.Operations):
         if h.state is None:
             raise _err(errno.EBADF)
         n = await h.state.write(off, buf)
+        self.counters.write_requests += 1
         self.counters.bytes_written += n
         return n
 

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -30,6 +31,7 @@ from .store import Layout, ObjectRef, Store
 log = logging.getLogger(__name__)
 
 CACHE_FRAMES = 4  # decoded frames kept per open file
+READ_AHEAD_FRAMES = 2  # frames decoded ahead of a sequential reader (one per core here)
 MAX_EAGER = 8  # eager frame encodes queued per file
 SAMPLE_BYTES = 256 << 10  # sampled (in SAMPLE_PIECES pieces) to choose a transform
 SAMPLE_PIECES = 4
@@ -49,13 +51,20 @@ class _StaleObject(Exception):
 
 
 class DirtyFrame:
-    __slots__ = ("buf", "version", "filled", "encoded")
+    __slots__ = ("buf", "version", "filled", "encoded", "encoding")
 
     def __init__(self, buf: bytearray) -> None:
         self.buf = buf
         self.version = 0
         self.filled = 0  # [0, filled) written sequentially since the frame became dirty
         self.encoded: tuple[int, fmt.EncodedFrame] | None = None  # (version it encodes, frame)
+        self.encoding: tuple[int, trio.Event] | None = None  # early encode in flight: (version, done)
+
+    def encoded_as(self, length: int) -> fmt.EncodedFrame | None:
+        """The early encoding, if it is of the current content and length."""
+        if self.encoded and self.encoded[0] == self.version and self.encoded[1].raw_len == length:
+            return self.encoded[1]
+        return None
 
 
 class EncodingPolicy:
@@ -63,6 +72,7 @@ class EncodingPolicy:
 
     def __init__(self, codec: codecs.Codec, dtype: str) -> None:
         self.codec = codec
+        self._choosing = threading.Lock()  # the first frames of a file may be encoded in parallel
         self.dtype = dtype  # 'auto', 'none' or a format.DTYPES name
         self.transform: int | None = None if dtype == "auto" else _transform_for_dtype(dtype)
         if codec.id == codecs.NoneCodec.id:
@@ -77,7 +87,9 @@ class EncodingPolicy:
     def encode(self, raw) -> fmt.EncodedFrame:
         """Runs in a worker thread."""
         if self.transform is None:
-            self.transform = self._choose_transform(raw)
+            with self._choosing:
+                if self.transform is None:
+                    self.transform = self._choose_transform(raw)
         return fmt.encode_frame(raw, self.codec, self.transform)
 
     def _choose_transform(self, raw) -> int:
@@ -244,13 +256,16 @@ class OpenFile:
         return b"".join(parts)
 
     def _maybe_read_ahead(self, i: int, end: int) -> None:
+        """Sequential reader past the middle of frame i: decode the next frames in the background."""
         F = self.frame_size
         ref = self.ref
-        nxt = i + 1
-        if (ref is None or end - i * F < F // 2 or nxt * F >= self.clean_limit or nxt in self.dirty
-                or (ref.gen, nxt) in self.cache or (ref.gen, nxt) in self.inflight):
+        if ref is None or end - i * F < F // 2:
             return
-        self.nursery.start_soon(self._prefetch, ref, nxt)
+        for nxt in range(i + 1, i + 1 + READ_AHEAD_FRAMES):
+            if nxt * F >= self.clean_limit:
+                return
+            if nxt not in self.dirty and (ref.gen, nxt) not in self.cache and (ref.gen, nxt) not in self.inflight:
+                self.nursery.start_soon(self._prefetch, ref, nxt)
 
     # -- writes ----------------------------------------------------------------------------------
     async def _materialize(self, i: int) -> DirtyFrame:
@@ -312,9 +327,11 @@ class OpenFile:
     def _encode_early(self, i: int, df: DirtyFrame) -> None:
         if self._eager < MAX_EAGER:
             self._eager += 1
-            self.nursery.start_soon(self._encode_in_background, i, df, df.version)
+            done = trio.Event()
+            df.encoding = (df.version, done)
+            self.nursery.start_soon(self._encode_in_background, i, df, df.version, done)
 
-    async def _encode_in_background(self, i: int, df: DirtyFrame, version: int) -> None:
+    async def _encode_in_background(self, i: int, df: DirtyFrame, version: int, done: trio.Event) -> None:
         try:
             encoded = await self.store.cpu(self.policy.encode, df.buf)
             self.counters.frames_encoded += 1
@@ -324,6 +341,9 @@ class OpenFile:
             log.debug("early encode of inode %d frame %d failed", self.ino, i, exc_info=True)
         finally:
             self._eager -= 1
+            if df.encoding is not None and df.encoding[1] is done:
+                df.encoding = None
+            done.set()
 
     # -- commit ----------------------------------------------------------------------------------
     async def commit(self, durable: bool = False) -> bool:
@@ -359,10 +379,9 @@ class OpenFile:
                 df = self.dirty.get(i)
                 length = self._frame_len(i, size)
                 if df is not None:
-                    if df.encoded and df.encoded[0] == df.version and df.encoded[1].raw_len == length:
-                        frames[i] = df.encoded[1]
-                    else:
-                        nursery.start_soon(self._encode_into, frames, i, memoryview(df.buf)[:length])
+                    frames[i] = df.encoded_as(length)
+                    if frames[i] is None:
+                        nursery.start_soon(self._encode_into, frames, i, df, length)
                 elif i in reusable and not reusable[i].is_hole:
                     nursery.start_soon(self._copy_into, frames, i, old, reusable[i])
                 else:
@@ -410,8 +429,13 @@ class OpenFile:
         self.modified = False
         self.mtime_ns = None
 
-    async def _encode_into(self, frames: list, i: int, raw: memoryview) -> None:
-        frames[i] = await self.store.cpu(self.policy.encode, raw)
+    async def _encode_into(self, frames: list, i: int, df: DirtyFrame, length: int) -> None:
+        if df.encoding is not None and df.encoding[0] == df.version:
+            await df.encoding[1].wait()  # an early encode of this very content is running: use it
+            frames[i] = df.encoded_as(length)
+            if frames[i] is not None:
+                return
+        frames[i] = await self.store.cpu(self.policy.encode, memoryview(df.buf)[:length])
         self.counters.frames_encoded += 1
 
     async def _copy_into(self, frames: list, i: int, ref: ObjectRef, entry: fmt.FrameEntry) -> None:

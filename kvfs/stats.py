@@ -12,6 +12,8 @@ import time
 class Counters:
     bytes_written: int = 0  # logical bytes accepted by write()
     bytes_read: int = 0  # logical bytes returned by read()
+    write_requests: int = 0
+    read_requests: int = 0
     commits: int = 0  # objects committed (flush/fsync with changes)
     commit_failures: int = 0  # commits answered with an error (ENOSPC, EIO, …)
     frames_encoded: int = 0
