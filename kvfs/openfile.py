@@ -397,7 +397,7 @@ class OpenFile:
                                 transform=self.policy.transform or transforms.IDENTITY,
                                 element_size=self.policy.element_size, codec=self.policy.codec.id,
                                 dtype=fmt.DTYPES.get(self.policy.dtype, 0))
-            parts, entries = fmt.build_object(header, frames)
+            parts, entries = await self.store.cpu(fmt.build_object, header, frames)
             gen = self.next_gen
             self.next_gen += 1
             new_ref = await self.store.put(self.ino, gen, parts, replacing=old, durable=durable)
@@ -441,9 +441,13 @@ class OpenFile:
     async def _copy_into(self, frames: list, i: int, ref: ObjectRef, entry: fmt.FrameEntry) -> None:
         """Reuse a clean frame's compressed bytes as they are (verified, not recompressed)."""
         payload = await self.store.read_payload(ref, entry)
-        if len(payload) != entry.stored_len or fmt.xxh3(payload) != entry.stored_xxh3:
+        if not await self.store.cpu(_payload_intact, entry, payload):
             raise self._mark_corrupt(f"frame {i}: payload checksum mismatch while re-committing")
         frames[i] = fmt.EncodedFrame.from_entry(entry, payload)
+
+
+def _payload_intact(entry: fmt.FrameEntry, payload: bytes) -> bool:
+    return len(payload) == entry.stored_len and fmt.xxh3(payload) == entry.stored_xxh3
 
 
 def _summary_codec(frames) -> str:
