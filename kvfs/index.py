@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS entries (
     UNIQUE (parent, name)
 );
 CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
+CREATE INDEX IF NOT EXISTS entries_by_parent ON entries (parent, id);  -- readdir pages in cookie order
 CREATE TABLE IF NOT EXISTS xattrs (
     inode INTEGER NOT NULL,
     name  BLOB NOT NULL,
@@ -94,6 +95,7 @@ class Index:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA wal_autocheckpoint=0")
+        self.db.execute("PRAGMA journal_size_limit=%d" % (64 << 20))
         self.db.execute("PRAGMA foreign_keys=OFF")
         self.db.executescript(SCHEMA)
         self._sync_lock = threading.Lock()
@@ -310,6 +312,17 @@ class Index:
                 con.execute("PRAGMA wal_checkpoint(PASSIVE)")
             finally:
                 con.close()
+
+    def wal_bytes(self) -> int:
+        try:
+            return os.stat(self.path.with_name(self.path.name + "-wal")).st_size
+        except FileNotFoundError:
+            return 0
+
+    def truncate_wal(self) -> None:
+        """Checkpoint what is left and reset the WAL file. On the trio thread, so no write can interleave
+        and the checkpoint completes; call it after `checkpoint()` has copied the bulk in a thread."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         self.flush_access()

@@ -183,3 +183,22 @@ def test_object_truncated_at_rest_is_dropped_at_start(make_mount):
     m.start()
     assert not m.path("v").exists()
     assert m.stats()["reconcile_rows_dropped"] == 1 and m.objects() == []
+
+
+def test_index_wal_stays_bounded_under_metadata_churn(make_mount):
+    """A steady stream of commits must not grow the SQLite WAL without bound (checkpoints must finish)."""
+    from kvfs.daemon import WAL_LIMIT_BYTES
+    m = make_mount().start()
+    wal = m.state / "index.sqlite-wal"
+    deadline = time.monotonic() + 12
+    largest = n = 0
+    while time.monotonic() < deadline:
+        p = m.path(f"churn-{n}")
+        p.write_bytes(b"x")
+        p.unlink()
+        n += 1
+        if n % 50 == 0:
+            largest = max(largest, wal.stat().st_size)
+    assert n > 500
+    assert largest < 2 * WAL_LIMIT_BYTES, (largest, n)
+    assert wal.stat().st_size < 2 * WAL_LIMIT_BYTES
