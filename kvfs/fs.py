@@ -21,7 +21,7 @@ import trio
 from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
-from .index import ROOT_INODE, Index
+from .index import FIRST_USER_INODE, ROOT_INODE, Index
 from .openfile import EncodingPolicy, FileCorrupt, OpenFile
 from .store import ObjectRef, Store
 
@@ -198,7 +198,7 @@ class Operations(pyfuse3.Operations):
 
     async def _maybe_delete(self, ino: int) -> None:
         """Delete an inode and its data once it has no names, no kernel references and no open handles."""
-        if ino in self.lookups or ino in self.open_files or ino < ROOT_INODE + 15:
+        if ino in self.lookups or ino in self.open_files or ino < FIRST_USER_INODE:
             return
         row = self.index.get(ino)
         if row is None or row["nlink"] > 0:

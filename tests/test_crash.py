@@ -202,3 +202,14 @@ def test_index_wal_stays_bounded_under_metadata_churn(make_mount):
     assert n > 500
     assert largest < 2 * WAL_LIMIT_BYTES, (largest, n)
     assert wal.stat().st_size < 2 * WAL_LIMIT_BYTES
+
+
+def test_sigint_unmounts_cleanly(make_mount):
+    import signal
+    m = make_mount().start()
+    m.path("f").write_bytes(b"kept")
+    assert m.signal(signal.SIGINT) == 0
+    assert not os.path.ismount(m.mountpoint)
+    assert "received SIGINT, unmounting" in m.log_text()
+    m.start()
+    assert m.path("f").read_bytes() == b"kept"
