@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 CACHE_FRAMES = 4  # decoded frames kept per open file
 READ_AHEAD_FRAMES = 2  # frames decoded ahead of a sequential reader (one per core here)
 MAX_EAGER = 8  # eager frame encodes queued per file
-SAMPLE_BYTES = 256 << 10  # sampled (in SAMPLE_PIECES pieces) to choose a transform
+SAMPLE_BYTES = 64 << 10  # sampled (in SAMPLE_PIECES pieces) to choose a transform
 SAMPLE_PIECES = 4
 
 

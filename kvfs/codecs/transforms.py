@@ -13,7 +13,7 @@ BYTEPLANE2 = 1
 NAMES = {IDENTITY: "identity", BYTEPLANE2: "byteplane2"}
 
 
-def _byteplane2_encode(raw: bytes | bytearray | memoryview) -> bytes:
+def _byteplane2_encode(raw: bytes | bytearray | memoryview) -> memoryview:
     n = len(raw)
     half = n // 2
     elems = np.frombuffer(raw, dtype="<u2", count=half)
@@ -22,7 +22,7 @@ def _byteplane2_encode(raw: bytes | bytearray | memoryview) -> bytes:
     np.copyto(out[half : 2 * half], elems, casting="unsafe")
     if n % 2:
         out[-1] = raw[-1]
-    return out.tobytes()
+    return memoryview(out)  # no copy: the codec reads it once
 
 
 def _byteplane2_decode(planes: bytes | memoryview) -> bytes | memoryview:
