@@ -59,6 +59,7 @@ class Config:
     codec: str = "zstd"
     dtype: str = "auto"
     frame_size: int = DEFAULT_FRAME_SIZE
+    max_dirty: int = 256 << 20  # bytes of unsaved frames across open files (build_config: default_max_dirty())
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
@@ -71,6 +72,15 @@ class Config:
     @property
     def tiers(self) -> tuple[TierConfig, ...]:
         return (self.l2,)
+
+
+def default_max_dirty() -> int:
+    """A quarter of physical memory, at least 256 MiB: unsaved writes live in memory until close."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 4 << 30
+    return max(256 << 20, ram // 4)
 
 
 def _mount_slug(mountpoint: Path) -> str:
@@ -136,6 +146,7 @@ def build_config(
     frame_size = parse_size(mount_t.get("frame_size", DEFAULT_FRAME_SIZE))
     if frame_size % 4096 or not (64 << 10) <= frame_size <= (16 << 20):
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
+    max_dirty = parse_size(mount_t["max_dirty"]) if "max_dirty" in mount_t else default_max_dirty()
     sdir = state_dir or mount_t.get("state_dir")
     lfile = log_file or mount_t.get("log_file")
     return Config(
@@ -145,6 +156,7 @@ def build_config(
         codec=codec,
         dtype=dtype,
         frame_size=frame_size,
+        max_dirty=max_dirty,
         allow_other=bool(mount_t.get("allow_other", False) if allow_other is None else allow_other),
         foreground=foreground,
         debug=debug or bool(mount_t.get("debug", False)),

@@ -22,7 +22,7 @@ from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
-from .openfile import EncodingPolicy, FileCorrupt, OpenFile
+from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile
 from .store import ObjectRef, Store
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class Operations(pyfuse3.Operations):
         self.open_files: dict[int, OpenFile] = {}
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
+        self.dirty_budget = DirtyBudget(config.max_dirty)
         self.started = time.monotonic()
 
     # -- attributes --------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ class Operations(pyfuse3.Operations):
         state = self.open_files.get(ino)
         if state is None:
             state = OpenFile(ino, row, self.store, self.index, self._policy(ino), self.config.frame_size,
-                             self.nursery, self.counters)
+                             self.nursery, self.counters, self.dirty_budget)
             self.open_files[ino] = state
         state.handles += 1
         return state
@@ -276,6 +277,7 @@ class Operations(pyfuse3.Operations):
             except Exception as e:
                 log.warning("inode %d: unsaved data discarded at release: %s", state.ino, e)
         if state.handles == 0 and self.open_files.get(state.ino) is state:
+            state.discard()  # whatever could not be committed is gone with the last handle
             del self.open_files[state.ino]
             await self._maybe_delete(state.ino)
 
@@ -624,7 +626,7 @@ class Operations(pyfuse3.Operations):
     def render_stats(self) -> bytes:
         return stats_mod.render(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
                                 config=self.config, started=self.started, open_files=len(self.open_files),
-                                dirty_bytes=sum(s.dirty_bytes() for s in self.open_files.values()))
+                                dirty_bytes=self.dirty_budget.used)
 
     async def commit_all(self) -> None:
         """At shutdown: commit files still open with unsaved writes (best effort, logged)."""

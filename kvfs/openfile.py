@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -65,6 +66,29 @@ class DirtyFrame:
         if self.encoded and self.encoded[0] == self.version and self.encoded[1].raw_len == length:
             return self.encoded[1]
         return None
+
+
+class DirtyBudget:
+    """Memory held by unsaved frames across all open files. Writes beyond the limit fail with ENOSPC
+    (before the daemon would be killed for lack of memory); closing files commits and frees it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._warned_at = -1e9
+
+    def charge(self, nbytes: int) -> None:
+        if self.used + nbytes > self.limit:
+            now = time.monotonic()
+            if now - self._warned_at > 60:
+                self._warned_at = now
+                log.warning("unsaved data reached the dirty limit (%d MiB): writes get ENOSPC until files are "
+                            "closed (raise mount.max_dirty to allow more)", self.limit >> 20)
+            raise OSError(errno.ENOSPC, "dirty data limit reached")
+        self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
 
 
 class EncodingPolicy:
@@ -119,8 +143,9 @@ def _transform_for_dtype(dtype: str) -> int:
 
 class OpenFile:
     def __init__(self, ino: int, row, store: Store, index: Index, policy: EncodingPolicy,
-                 frame_size: int, nursery: trio.Nursery, counters) -> None:
+                 frame_size: int, nursery: trio.Nursery, counters, budget: DirtyBudget) -> None:
         self.ino = ino
+        self.budget = budget
         self.store = store
         self.index = index
         self.policy = policy
@@ -146,9 +171,6 @@ class OpenFile:
     # -- helpers ---------------------------------------------------------------------------------
     def _frame_len(self, i: int, size: int) -> int:
         return min(self.frame_size, size - i * self.frame_size)
-
-    def dirty_bytes(self) -> int:
-        return len(self.dirty) * self.frame_size
 
     def _check_usable(self) -> None:
         if self.corrupt:
@@ -270,12 +292,27 @@ class OpenFile:
     # -- writes ----------------------------------------------------------------------------------
     async def _materialize(self, i: int) -> DirtyFrame:
         """Make frame i dirty, starting from its committed content. Caller holds the lock."""
+        self.budget.charge(self.frame_size)
+        try:
+            raw = await self._committed_frame(i)
+        except BaseException:
+            self.budget.release(self.frame_size)
+            raise
         buf = bytearray(self.frame_size)
-        raw = await self._committed_frame(i)
         if raw is not None:
             buf[: len(raw)] = raw
         df = self.dirty[i] = DirtyFrame(buf)
         return df
+
+    def _drop_dirty(self, frames) -> None:
+        for i in list(frames):
+            del self.dirty[i]
+            self.budget.release(self.frame_size)
+
+    def discard(self) -> None:
+        """Forget unsaved data (the file is gone, or its commit failed and its last handle closed)."""
+        self._drop_dirty(self.dirty)
+        self.modified = False
 
     async def write(self, off: int, data: bytes) -> int:
         self._check_usable()
@@ -310,8 +347,7 @@ class OpenFile:
         async with self.lock:
             if new_size < self.size:
                 keep = -(-new_size // F)
-                for i in [k for k in self.dirty if k >= keep]:
-                    del self.dirty[i]
+                self._drop_dirty([k for k in self.dirty if k >= keep])
                 tail = new_size % F
                 if tail:
                     i = new_size // F
@@ -424,7 +460,7 @@ class OpenFile:
         if ref is not None:
             for i in sorted(self.dirty)[-CACHE_FRAMES:]:
                 self._cache_put((ref.gen, i), memoryview(self.dirty[i].buf)[: self._frame_len(i, size)])
-        self.dirty.clear()
+        self._drop_dirty(self.dirty)
         self.clean_limit = size
         self.modified = False
         self.mtime_ns = None

@@ -213,3 +213,23 @@ def test_sigint_unmounts_cleanly(make_mount):
     assert "received SIGINT, unmounting" in m.log_text()
     m.start()
     assert m.path("f").read_bytes() == b"kept"
+
+
+def test_unsaved_data_is_bounded_enospc_not_oom(make_mount):
+    m = make_mount()
+    cfg = m.root / "kvfs.toml"
+    cfg.write_text('[mount]\nmax_dirty = "8M"\n')
+    m.start("--config", str(cfg))
+    fd = os.open(m.path("big"), os.O_CREAT | os.O_WRONLY)
+    chunk = os.urandom(1 << 20)
+    with pytest.raises(OSError) as e:
+        for i in range(20):
+            os.pwrite(fd, chunk, i << 20)
+    assert e.value.errno == errno.ENOSPC and i == 8
+    assert m.stats()["dirty_bytes"] == 8 << 20
+    os.close(fd)  # commits the 8 MiB that were accepted
+    assert m.stats()["dirty_bytes"] == 0
+    assert m.path("big").read_bytes() == chunk * 8
+    m.path("after").write_bytes(chunk * 4)
+    assert m.path("after").read_bytes() == chunk * 4 and m.alive()
+    assert "dirty limit" in m.log_text()
