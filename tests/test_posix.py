@@ -302,3 +302,29 @@ def test_mmap_write_is_committed(kvfs: KvfsMount):
     kvfs.stop()
     kvfs.start(*kvfs.args)
     assert f.read_bytes()[500:505] == b"mmap!"
+
+
+@pytest.mark.parametrize("allow_other", [False, True])
+def test_allow_other(allow_other):
+    import shutil
+    import tempfile
+    from pathlib import Path
+    root = Path(tempfile.mkdtemp(prefix="kvfs-allow-other-"))  # traversable by other users, unlike tmp_path
+    os.chmod(root, 0o755)
+    m = KvfsMount(root)
+    try:
+        m.start(*(["--allow-other"] if allow_other else []))
+        os.chmod(m.mountpoint, 0o755)
+        m.path("shared").write_bytes(b"for everyone")
+        os.chmod(m.path("shared"), 0o644)
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat",
+                              str(m.path("shared"))], capture_output=True)
+        if allow_other:
+            assert res.returncode == 0 and res.stdout == b"for everyone"
+        else:
+            assert res.returncode != 0  # FUSE refuses other users unless allow_other
+        assert m.stop() == 0 and not m.unexpected_log_lines()
+    finally:
+        if m.proc is not None:
+            m.stop()
+        shutil.rmtree(root, ignore_errors=True)
