@@ -66,7 +66,7 @@ def _lock_state_dir(config: Config) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise SystemExit(f"kvfs: state directory {config.state_dir} is in use by another kvfs daemon")
+        raise SystemExit(f"kvfs: state directory {config.state_dir} is in use by another kvfs daemon") from None
     return fd
 
 

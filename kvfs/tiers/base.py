@@ -57,6 +57,3 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def remove_temporaries(self) -> int:
         """Delete leftovers of interrupted puts; returns how many."""
-
-    def sync(self) -> None:
-        """Make completed puts durable (no-op where put was already durable or the tier is volatile)."""
