@@ -102,6 +102,7 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.dirty_budget = DirtyBudget(config.max_dirty)
+        self._dropping: dict[int, trio.Event] = {}  # corrupt inodes being dropped
         self.started = time.monotonic()
 
     # -- attributes --------------------------------------------------------------------------------
@@ -604,22 +605,33 @@ class Operations(pyfuse3.Operations):
 
     # -- corruption, stats, shutdown ----------------------------------------------------------------
     async def drop_corrupt(self, err: FileCorrupt) -> None:
-        """A checksum failed: count and log it, and make the file a miss for every later caller."""
+        """A checksum failed: count and log it, and make the file a miss for every later caller.
+
+        Several requests can hit the same corrupt file at once (kernel read-ahead sends reads in parallel);
+        all of them answer only after the kernel has forgotten the names, so no caller that got EIO can
+        still find the file."""
         try:
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True), trio.move_on_after(INVALIDATE_WAIT_S):
+                in_progress = self._dropping.get(err.ino)
+                if in_progress is not None:
+                    await in_progress.wait()
+                    return
                 names = self.index.entries_of(err.ino)
                 if not names:
-                    return  # already dropped by an earlier request
-                self.counters.checksum_failures += 1
-                log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
-                          ", ".join(repr(n) for _, n in names), err.reason)
-                self.index.drop_file(err.ino)
-                # wait (briefly) until the kernel forgot the names, so the next caller gets a miss; a worker
-                # thread keeps the trio loop serving requests the kernel may need first
-                with trio.move_on_after(INVALIDATE_WAIT_S):
+                    return  # dropped earlier
+                done = self._dropping[err.ino] = trio.Event()
+                try:
+                    self.counters.checksum_failures += 1
+                    log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
+                              ", ".join(repr(n) for _, n in names), err.reason)
+                    self.index.drop_file(err.ino)
+                    # a worker thread keeps the trio loop serving requests the kernel may need meanwhile
                     for parent, name in names:
                         await trio.to_thread.run_sync(_invalidate_entry, parent, name, err.ino,
                                                       abandon_on_cancel=True)
+                finally:
+                    del self._dropping[err.ino]
+                    done.set()
         except Exception:
             log.exception("dropping corrupt inode %d failed", err.ino)
 

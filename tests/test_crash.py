@@ -233,3 +233,34 @@ def test_unsaved_data_is_bounded_enospc_not_oom(make_mount):
     m.path("after").write_bytes(chunk * 4)
     assert m.path("after").read_bytes() == chunk * 4 and m.alive()
     assert "dirty limit" in m.log_text()
+
+
+def test_concurrent_readers_of_a_corrupt_file_all_see_eio_then_a_miss(make_mount):
+    import threading
+    m = make_mount().start()
+    m.expect_log(r"corrupt object for inode")
+    data = bytes(range(256)) * 40_000  # 10 MB, 10 frames
+    m.path("victim.kv").write_bytes(data)
+    victim = m.objects()[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0xFF  # damage the last frame
+    victim.write_bytes(bytes(raw))
+    outcomes = []
+
+    def reader():
+        try:
+            with open(m.path("victim.kv"), "rb") as fh:
+                while fh.read(256 << 10):
+                    pass
+            outcomes.append("data")
+        except OSError as e:
+            outcomes.append(("eio" if e.errno == errno.EIO else e.errno, m.path("victim.kv").exists()))
+
+    threads = [threading.Thread(target=reader) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # every reader that got EIO found the file gone right after; none got the damaged bytes
+    assert outcomes and all(o in (("eio", False), (errno.ENOENT, False)) for o in outcomes), outcomes
+    assert m.stats()["checksum_failures"] == 1 and m.alive()
