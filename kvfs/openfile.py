@@ -318,7 +318,7 @@ class OpenFile:
         self._check_usable()
         end = off + len(data)
         if end > fmt.MAX_FILE_SIZE:
-            raise OSError(27, "file too large")  # EFBIG
+            raise OSError(errno.EFBIG, "file too large")
         F = self.frame_size
         view = memoryview(data)
         async with self.lock:
@@ -342,7 +342,7 @@ class OpenFile:
     async def truncate(self, new_size: int) -> None:
         self._check_usable()
         if new_size > fmt.MAX_FILE_SIZE:
-            raise OSError(27, "file too large")  # EFBIG
+            raise OSError(errno.EFBIG, "file too large")
         F = self.frame_size
         async with self.lock:
             if new_size < self.size:
@@ -401,7 +401,7 @@ class OpenFile:
         n = -(-size // self.frame_size)
         old = self.ref
         layout = await self._layout_of(old) if old is not None and self.clean_limit > 0 else None
-        reusable = self._reusable_entries(layout, n, size)
+        reusable = self._reusable_entries(layout, n)
         # clean frames whose length changes (the old last frame, now followed by more) are re-encoded
         for i in range(n):
             if i not in self.dirty and i in reusable and reusable[i].raw_len != self._frame_len(i, size):
@@ -445,7 +445,7 @@ class OpenFile:
         if old is not None:
             await self.store.delete(old)
 
-    def _reusable_entries(self, layout: Layout | None, n: int, size: int) -> dict[int, fmt.FrameEntry]:
+    def _reusable_entries(self, layout: Layout | None, n: int) -> dict[int, fmt.FrameEntry]:
         if layout is None:
             return {}
         F = self.frame_size
