@@ -227,9 +227,17 @@ class Index:
                         (now, now, nlink_delta, ino))
 
     def delete_inode(self, ino: int) -> None:
+        self.purge([ino])
+
+    def purge(self, inodes: list[int]) -> None:
+        """Delete inodes with their names and xattrs, in one transaction."""
+        if not inodes:
+            return
         with self.transaction():
-            self.db.execute("DELETE FROM inodes WHERE id = ?", (ino,))
-            self.db.execute("DELETE FROM xattrs WHERE inode = ?", (ino,))
+            for ino in inodes:
+                self.db.execute("DELETE FROM entries WHERE inode = ?", (ino,))
+                self.db.execute("DELETE FROM inodes WHERE id = ?", (ino,))
+                self.db.execute("DELETE FROM xattrs WHERE inode = ?", (ino,))
 
     def drop_file(self, ino: int) -> None:
         """Make a file a miss: remove every name of it; the row goes once nothing references it."""

@@ -1,7 +1,7 @@
 """Start-up reconcile: make the index and the tiers agree before the mount goes live.
 
 - inodes left with nlink 0 (unlinked while open, then the daemon died) are deleted;
-- interrupted puts (temp files) and objects no row names are deleted (orphans);
+- interrupted puts (temp files), misplaced files and objects no row names are deleted (orphans);
 - rows whose object is missing or has the wrong size (tmpfs lost at reboot, crash) are dropped: a miss;
 - tier usage counters are seeded from what remains.
 """
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class ReconcileReport:
-    temporaries_removed: int = 0
+    strays_removed: int = 0
     orphans_removed: int = 0
     rows_dropped: int = 0
     unlinked_deleted: int = 0
@@ -28,26 +28,21 @@ class ReconcileReport:
 def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
     report = ReconcileReport()
     db = index.db
-    with index.transaction():
-        gone = [r[0] for r in db.execute("SELECT id FROM inodes WHERE nlink = 0 AND id != 1")]
-        for ino in gone:
-            db.execute("DELETE FROM entries WHERE inode = ?", (ino,))
-            db.execute("DELETE FROM inodes WHERE id = ?", (ino,))
-            db.execute("DELETE FROM xattrs WHERE inode = ?", (ino,))
-        report.unlinked_deleted = len(gone)
+    gone = [r[0] for r in db.execute("SELECT id FROM inodes WHERE nlink = 0 AND id != 1")]
+    index.purge(gone)
+    report.unlinked_deleted = len(gone)
 
     wanted = {(r["obj_tier"], object_id(r["id"], r["obj_gen"])): (r["id"], r["stored_bytes"])
               for r in index.objects()}
     present: set[tuple[str, str]] = set()
     for tier in tiers:
-        report.temporaries_removed += tier.remove_temporaries()
+        report.strays_removed += tier.remove_strays()
         tier.used_bytes = tier.files = 0
         for info in list(tier.scan()):
             key = (tier.name, info.object_id)
             expected = wanted.get(key)
-            misplaced = tier.size_of(info.object_id) is None  # found outside its canonical place
-            if expected is None or expected[1] != info.size or misplaced:
-                tier.discard(info)
+            if expected is None or expected[1] != info.size:
+                tier.delete(info.object_id)
                 report.orphans_removed += 1
                 continue
             present.add(key)
@@ -55,15 +50,10 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
             tier.files += 1
 
     missing = [ino for key, (ino, _) in wanted.items() if key not in present]
-    if missing:
-        with index.transaction():
-            for ino in missing:
-                db.execute("DELETE FROM entries WHERE inode = ?", (ino,))
-                db.execute("DELETE FROM inodes WHERE id = ?", (ino,))
-                db.execute("DELETE FROM xattrs WHERE inode = ?", (ino,))
+    index.purge(missing)
     report.rows_dropped = len(missing)
     _fix_directory_links(index)
-    if report.orphans_removed or report.rows_dropped or report.temporaries_removed or report.unlinked_deleted:
+    if report.orphans_removed or report.rows_dropped or report.strays_removed or report.unlinked_deleted:
         log.info("reconcile: %s", report)
     return report
 

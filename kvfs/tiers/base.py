@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 class ObjectInfo:
     object_id: str
     size: int
-    location: str  # where the tier found it (a path, a key): what discard() removes
 
 
 class Tier(abc.ABC):
@@ -51,9 +50,6 @@ class Tier(abc.ABC):
         """Every complete object held (temp files excluded)."""
 
     @abc.abstractmethod
-    def discard(self, info: ObjectInfo) -> None:
-        """Remove an object found by scan (an orphan), wherever it was found."""
-
-    @abc.abstractmethod
-    def remove_temporaries(self) -> int:
-        """Delete leftovers of interrupted puts; returns how many."""
+    def remove_strays(self) -> int:
+        """Delete what is not an object in its place (leftovers of interrupted puts, misplaced files);
+        returns how many. After it, scan() yields only objects that delete() can remove."""

@@ -74,16 +74,14 @@ class DirectoryTier(Tier):
                 continue  # only shard directories hold objects
             for entry in os.scandir(shard):
                 if entry.is_file(follow_symlinks=False) and not entry.name.endswith(TMP_SUFFIX):
-                    yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size, entry.path)
+                    yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size)
 
-    def discard(self, info: ObjectInfo) -> None:
-        _unlink_quietly(Path(info.location))
-
-    def remove_temporaries(self) -> int:
+    def remove_strays(self) -> int:
         removed = 0
-        for tmp in self.root.glob("*/*" + TMP_SUFFIX):
-            _unlink_quietly(tmp)
-            removed += 1
+        for path in self.root.glob("*/*"):
+            if path.name.endswith(TMP_SUFFIX) or path.parent != self._path(path.name).parent:
+                _unlink_quietly(path)
+                removed += 1
         return removed
 
 
