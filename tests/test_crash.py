@@ -262,5 +262,6 @@ def test_concurrent_readers_of_a_corrupt_file_all_see_eio_then_a_miss(make_mount
     for t in threads:
         t.join()
     # every reader that got EIO found the file gone right after; none got the damaged bytes
-    assert outcomes and all(o in (("eio", False), (errno.ENOENT, False)) for o in outcomes), outcomes
+    assert outcomes and all(o in (("eio", False), (errno.ENOENT, False)) for o in outcomes), \
+        (outcomes, m.log_text()[-3000:])
     assert m.stats()["checksum_failures"] == 1 and m.alive()
