@@ -26,6 +26,10 @@ def main() -> None:
 @main.command()
 @click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--l2", metavar="DIR:SIZE", help="L2 tier directory (normally tmpfs) and capacity, e.g. /dev/shm/kvfs:8G")
+@click.option("--l3", metavar="DIR:SIZE",
+              help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G)")
+@click.option("--promote", metavar="POLICY",
+              help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
 @click.option("--codec", type=click.Choice(["zstd", "none"]), help="codec for new frames (default zstd)")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "none"]),
               help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
@@ -36,12 +40,13 @@ def main() -> None:
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
-def mount(mountpoint, l2, codec, dtype, config_file, state_dir, allow_other, foreground, log_file, debug):
+def mount(mountpoint, l2, l3, promote, codec, dtype, config_file, state_dir, allow_other, foreground, log_file,
+          debug):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
-        cfg = build_config(mountpoint, config_file=config_file, l2=l2, codec=codec, dtype=dtype,
-                           state_dir=state_dir, allow_other=allow_other, foreground=foreground, debug=debug,
-                           log_file=log_file)
+        cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, promote=promote, codec=codec,
+                           dtype=dtype, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
+                           debug=debug, log_file=log_file)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if not cfg.mountpoint.is_dir():

@@ -10,6 +10,9 @@ import tomllib
 from pathlib import Path
 
 DEFAULT_L2_CAPACITY = 1 << 30  # a modest 1 GiB of tmpfs
+DEFAULT_L3_CAPACITY = 16 << 30  # local disk: an upper bound, nothing is preallocated
+DEFAULT_HIGH_WATERMARK = 0.90  # the mover starts draining a tier above this fraction of its capacity …
+DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
 CODECS = ("zstd", "none")
 DTYPES = ("auto", "bf16", "fp16", "none")
@@ -49,6 +52,33 @@ class TierConfig:
     path: Path
     capacity: int
     persistent: bool
+    high_watermark: float = DEFAULT_HIGH_WATERMARK
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+
+
+@dataclasses.dataclass(frozen=True)
+class PromotionPolicy:
+    """When a file read from a slower tier moves back to the fastest: after `after_reads` reads of it
+    (1 = always), or never (0)."""
+    after_reads: int = 1
+
+    @classmethod
+    def parse(cls, text: str | int) -> "PromotionPolicy":
+        value = str(text).strip().lower()
+        if value == "always":
+            return cls(1)
+        if value == "never":
+            return cls(0)
+        try:
+            n = int(value.removeprefix("after:"))
+        except ValueError:
+            raise ConfigError(f"promotion policy must be always, never or a number of reads, got {text!r}") from None
+        if n < 1:
+            raise ConfigError(f"promotion after {n} reads makes no sense: use a number >= 1, or never")
+        return cls(n)
+
+    def __str__(self) -> str:
+        return {0: "never", 1: "always"}.get(self.after_reads, f"after {self.after_reads} reads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +86,8 @@ class Config:
     mountpoint: Path
     state_dir: Path
     l2: TierConfig
+    l3: TierConfig | None = None
+    promotion: PromotionPolicy = PromotionPolicy()
     codec: str = "zstd"
     dtype: str = "auto"
     frame_size: int = DEFAULT_FRAME_SIZE
@@ -71,7 +103,8 @@ class Config:
 
     @property
     def tiers(self) -> tuple[TierConfig, ...]:
-        return (self.l2,)
+        """Fastest first."""
+        return (self.l2,) if self.l3 is None else (self.l2, self.l3)
 
 
 def default_max_dirty() -> int:
@@ -100,6 +133,32 @@ def default_l2_dir(mountpoint: Path) -> Path:
     return Path("/dev/shm") / f"kvfs-{os.getuid()}" / _mount_slug(mountpoint)
 
 
+def default_l3_dir(state_dir: Path) -> Path:
+    return state_dir / "l3"
+
+
+def _tier_config(name: str, section: dict, spec: str | None, default_path: Path | None, default_capacity: int,
+                 persistent: bool) -> TierConfig | None:
+    """One tier from its TOML section and its DIR:SIZE command-line spec ('none' disables a tier)."""
+    unknown = set(section) - {"path", "capacity", "persistent", "high_watermark", "low_watermark"}
+    if unknown:
+        raise ConfigError(f"unknown keys in [{name.lower()}]: {sorted(unknown)}")
+    path = Path(section["path"]).expanduser() if "path" in section else default_path
+    capacity = parse_size(section.get("capacity", default_capacity))
+    if spec is not None:
+        if spec.strip().lower() == "none":
+            return None
+        path, capacity = parse_tier_spec(spec)
+    if path is None:
+        return None
+    high = float(section.get("high_watermark", DEFAULT_HIGH_WATERMARK))
+    low = float(section.get("low_watermark", DEFAULT_LOW_WATERMARK))
+    if not 0 < low < high <= 1:
+        raise ConfigError(f"[{name.lower()}] watermarks must satisfy 0 < low_watermark < high_watermark <= 1, "
+                          f"got low {low}, high {high}")
+    return TierConfig(name, path, capacity, bool(section.get("persistent", persistent)), high, low)
+
+
 def load_toml(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
@@ -115,6 +174,8 @@ def build_config(
     *,
     config_file: str | Path | None = None,
     l2: str | None = None,
+    l3: str | None = None,
+    promote: str | None = None,
     codec: str | None = None,
     dtype: str | None = None,
     state_dir: str | Path | None = None,
@@ -126,16 +187,19 @@ def build_config(
     """Merge embedded defaults < TOML file < command line into one Config."""
     mnt = Path(mountpoint).expanduser()
     toml = load_toml(Path(config_file)) if config_file else {}
-    unknown = set(toml) - {"mount", "l2"}
+    unknown = set(toml) - {"mount", "l2", "l3"}
     if unknown:
         raise ConfigError(f"unknown config sections: {sorted(unknown)}")
     mount_t = toml.get("mount", {})
-    l2_t = toml.get("l2", {})
-
-    l2_path = Path(l2_t["path"]).expanduser() if "path" in l2_t else default_l2_dir(mnt)
-    l2_cap = parse_size(l2_t.get("capacity", DEFAULT_L2_CAPACITY))
-    if l2:
-        l2_path, l2_cap = parse_tier_spec(l2)
+    sdir = state_dir or mount_t.get("state_dir")
+    sdir = Path(sdir).expanduser() if sdir else default_state_dir(mnt)
+    l2_tier = _tier_config("L2", toml.get("l2", {}), l2, default_l2_dir(mnt), DEFAULT_L2_CAPACITY, False)
+    if l2_tier is None:
+        raise ConfigError("L2 cannot be disabled")
+    l3_tier = _tier_config("L3", toml.get("l3", {}), l3, default_l3_dir(sdir), DEFAULT_L3_CAPACITY, True)
+    if l3_tier is not None and l3_tier.path.resolve() == l2_tier.path.resolve():
+        raise ConfigError("L2 and L3 must be different directories")
+    promotion = PromotionPolicy.parse(promote or mount_t.get("promote", "always"))
 
     codec = codec or mount_t.get("codec", "zstd")
     if codec not in CODECS:
@@ -147,12 +211,13 @@ def build_config(
     if frame_size % 4096 or not (64 << 10) <= frame_size <= (16 << 20):
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
     max_dirty = parse_size(mount_t["max_dirty"]) if "max_dirty" in mount_t else default_max_dirty()
-    sdir = state_dir or mount_t.get("state_dir")
     lfile = log_file or mount_t.get("log_file")
     return Config(
         mountpoint=mnt,
-        state_dir=Path(sdir).expanduser() if sdir else default_state_dir(mnt),
-        l2=TierConfig("L2", l2_path, l2_cap, persistent=bool(l2_t.get("persistent", False))),
+        state_dir=sdir,
+        l2=l2_tier,
+        l3=l3_tier,
+        promotion=promotion,
         codec=codec,
         dtype=dtype,
         frame_size=frame_size,

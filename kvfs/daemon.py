@@ -20,6 +20,8 @@ import trio
 from .config import Config
 from .fs import Operations
 from .index import Index
+from .locks import InodeLocks
+from .mover import Mover
 from .reconcile import reconcile
 from .stats import Counters
 from .store import Store
@@ -92,18 +94,22 @@ def run(config: Config) -> int:
     counters = Counters(reconcile_orphans_removed=report.orphans_removed,
                         reconcile_rows_dropped=report.rows_dropped)
     store = Store(tiers)
-    ops = Operations(config, index, store, counters)
+    locks = InodeLocks()
+    mover = Mover(store, index, config.tiers, config.promotion, counters, locks)
+    store.place = mover.place
+    ops = Operations(config, index, store, mover, locks, counters)
 
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if config.allow_other:
         options.add("allow_other")
     pyfuse3.init(ops, str(config.mountpoint), options)
-    log.info("mounted %s (L2 %s, %d MiB, codec %s, %d files)", config.mountpoint, config.l2.path,
-             config.l2.capacity >> 20, config.codec, sum(t.files for t in tiers))
+    log.info("mounted %s (%s; codec %s, promotion %s, %d files)", config.mountpoint,
+             ", ".join(f"{t.name} {t.path} {t.capacity >> 20} MiB" for t in config.tiers), config.codec,
+             config.promotion, sum(t.files for t in tiers))
     clean = False
     try:
-        trio.run(_serve, ops, index)
+        trio.run(_serve, ops, index, mover)
         clean = True
     finally:
         pyfuse3.close(unmount=True)
@@ -113,10 +119,11 @@ def run(config: Config) -> int:
     return 0
 
 
-async def _serve(ops: Operations, index: Index) -> None:
+async def _serve(ops: Operations, index: Index, mover: Mover) -> None:
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
         nursery.start_soon(_watch_signals)
+        nursery.start_soon(mover.run)
         nursery.start_soon(_flush_periodically, index, ops.counters)
         await pyfuse3.main()
         # main() returned: the kernel unmounted us, or a signal asked us to stop

@@ -22,6 +22,8 @@ from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
+from .locks import InodeLocks
+from .mover import Mover
 from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile
 from .store import ObjectRef, Store
 
@@ -82,6 +84,7 @@ class Handle:
     state: OpenFile | None  # None for the stats file
     flags: int
     snapshot: bytes = b""
+    read_seen: bool = False  # its first read was counted as a hit of the tier that served it
 
 
 class Operations(pyfuse3.Operations):
@@ -89,12 +92,17 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, config, index: Index, store: Store, counters: stats_mod.Counters) -> None:
+    def __init__(self, config, index: Index, store: Store, mover: Mover, locks: InodeLocks,
+                 counters: stats_mod.Counters) -> None:
         super().__init__()
         self.config = config
         self.index = index
         self.store = store
+        self.mover = mover
+        self.locks = locks
         self.counters = counters
+        mover.open_file = self.open_files_get
+        mover.drop_names = self.drop_evicted
         self.codec = by_name(config.codec)
         self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
         self.lookups: dict[int, int] = {}
@@ -104,6 +112,9 @@ class Operations(pyfuse3.Operations):
         self.dirty_budget = DirtyBudget(config.max_dirty)
         self._dropping: dict[int, trio.Event] = {}  # corrupt inodes being dropped
         self.started = time.monotonic()
+
+    def open_files_get(self, ino: int) -> OpenFile | None:
+        return self.open_files.get(ino)
 
     # -- attributes --------------------------------------------------------------------------------
     def _attrs(self, row) -> pyfuse3.EntryAttributes:
@@ -263,7 +274,7 @@ class Operations(pyfuse3.Operations):
         state = self.open_files.get(ino)
         if state is None:
             state = OpenFile(ino, row, self.store, self.index, self._policy(ino), self.config.frame_size,
-                             self.nursery, self.counters, self.dirty_budget)
+                             self.nursery, self.counters, self.dirty_budget, self.locks.take(ino))
             self.open_files[ino] = state
         state.handles += 1
         return state
@@ -280,6 +291,7 @@ class Operations(pyfuse3.Operations):
         if state.handles == 0 and self.open_files.get(state.ino) is state:
             state.discard()  # whatever could not be committed is gone with the last handle
             del self.open_files[state.ino]
+            self.locks.give_back(state.ino)
             await self._maybe_delete(state.ino)
 
     async def _commit(self, state: OpenFile, durable: bool) -> None:
@@ -311,6 +323,8 @@ class Operations(pyfuse3.Operations):
         row = self._row(inode)
         if stat.S_ISDIR(row["mode"]):
             raise _err(errno.EISDIR)
+        if row["nlink"] == 0 and inode not in self.open_files:
+            raise _err(errno.ENOENT)  # evicted or dropped; the kernel's dentry was stale
         state = self._acquire(inode, row)
         try:
             if flags & os.O_TRUNC and state.size:
@@ -338,6 +352,9 @@ class Operations(pyfuse3.Operations):
         h = self._handle(fh)
         if h.state is None:
             return h.snapshot[off:off + size]
+        if not h.read_seen and h.state.ref is not None:
+            h.read_seen = True
+            self.mover.note_read(h.ino, h.state.ref.tier)
         data = await h.state.read(off, size)
         self.counters.read_requests += 1
         self.counters.bytes_read += len(data)
@@ -365,6 +382,7 @@ class Operations(pyfuse3.Operations):
         h = self._handle(fh)
         if h.state is not None:
             await self._commit(h.state, durable=True)
+            await self.mover.make_durable(h.ino)  # committed earlier to a memory tier: move it
             await trio.to_thread.run_sync(self.index.sync)
 
     @_guard
@@ -635,10 +653,27 @@ class Operations(pyfuse3.Operations):
         except Exception:
             log.exception("dropping corrupt inode %d failed", err.ino)
 
+    def drop_evicted(self, ino: int) -> None:
+        """The mover evicts a file: its names go now; the kernel forgets them in the background (waiting
+        here could deadlock with a request that holds the directory while it waits for room)."""
+        names = self.index.entries_of(ino)
+        self.index.drop_file(ino, forget_object=True)
+        for parent, name in names:
+            self.nursery.start_soon(self._forget_name, parent, name, ino)
+        if ino not in self.lookups:
+            self.index.delete_inode(ino)
+
+    async def _forget_name(self, parent: int, name: bytes, ino: int) -> None:
+        try:
+            await trio.to_thread.run_sync(_invalidate_entry, parent, name, ino, abandon_on_cancel=True)
+        except Exception:
+            log.debug("invalidating %r of inode %d failed", name, ino, exc_info=True)
+
     def render_stats(self) -> bytes:
         return stats_mod.render(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
                                 config=self.config, started=self.started, open_files=len(self.open_files),
-                                dirty_bytes=self.dirty_budget.used)
+                                dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
+                                mover=self.mover.status())
 
     async def commit_all(self) -> None:
         """At shutdown: commit files still open with unsaved writes (best effort, logged)."""

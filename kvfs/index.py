@@ -30,6 +30,9 @@ SCHEMA = """
 --     stored_bytes bytes, decoding to size bytes. obj_gen = 0 means no object and size = 0.
 -- I4  objects that no row names are garbage (superseded generations, interrupted puts): removed at start.
 -- I5  object ids are never reused: obj_gen only grows for an inode, and inode ids are AUTOINCREMENT.
+--     (An evicted file's doomed row — nlink 0 — is reset to obj_gen 0; it never gets another object.)
+-- I6  a move changes only obj_tier, and only if the row still names the object that was copied
+--     (same obj_gen and source tier): a commit, unlink or eviction racing with the copy wins.
 CREATE TABLE IF NOT EXISTS inodes (
     id             INTEGER PRIMARY KEY AUTOINCREMENT,
     mode           INTEGER NOT NULL,
@@ -60,6 +63,7 @@ CREATE TABLE IF NOT EXISTS entries (
 );
 CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
 CREATE INDEX IF NOT EXISTS entries_by_parent ON entries (parent, id);  -- readdir pages in cookie order
+CREATE INDEX IF NOT EXISTS inodes_lru ON inodes (obj_tier, last_access_ns) WHERE obj_gen > 0;  -- mover
 CREATE TABLE IF NOT EXISTS xattrs (
     inode INTEGER NOT NULL,
     name  BLOB NOT NULL,
@@ -145,6 +149,15 @@ class Index:
         rows = self.db.execute("SELECT obj_tier, COUNT(*), SUM(size), SUM(stored_bytes) FROM inodes "
                                "WHERE obj_gen > 0 GROUP BY obj_tier").fetchall()
         return {r[0]: (r[1], r[2] or 0, r[3] or 0) for r in rows}
+
+    def least_recently_used(self, tier: str, limit: int, skip: frozenset[int] | set[int] = frozenset()
+                            ) -> list[sqlite3.Row]:
+        """Files with an object in `tier`, least recently used first (pinned ones never)."""
+        self.flush_access()
+        rows = self.db.execute(
+            "SELECT id, obj_gen, obj_tier, stored_bytes, nlink FROM inodes WHERE obj_tier = ? AND obj_gen > 0 "
+            "AND pinned = 0 ORDER BY last_access_ns LIMIT ?", (tier, limit + len(skip))).fetchall()
+        return [r for r in rows if r["id"] not in skip][:limit]
 
     def objects(self) -> Iterator[sqlite3.Row]:
         return iter(self.db.execute("SELECT id, obj_gen, obj_tier, stored_bytes FROM inodes WHERE obj_gen > 0")
@@ -239,11 +252,15 @@ class Index:
                 self.db.execute("DELETE FROM inodes WHERE id = ?", (ino,))
                 self.db.execute("DELETE FROM xattrs WHERE inode = ?", (ino,))
 
-    def drop_file(self, ino: int) -> None:
-        """Make a file a miss: remove every name of it; the row goes once nothing references it."""
+    def drop_file(self, ino: int, forget_object: bool = False) -> None:
+        """Make a file a miss: remove every name of it; the row goes once nothing references it.
+        With forget_object the row also stops naming its object (eviction deletes it at once)."""
         with self.transaction():
             self.db.execute("DELETE FROM entries WHERE inode = ?", (ino,))
             self.db.execute("UPDATE inodes SET nlink = 0 WHERE id = ?", (ino,))
+            if forget_object:
+                self.db.execute("UPDATE inodes SET obj_gen = 0, obj_tier = NULL, size = 0, stored_bytes = 0 "
+                                "WHERE id = ?", (ino,))
 
     def entries_of(self, ino: int) -> list[tuple[int, bytes]]:
         return [(r[0], r[1]) for r in self.db.execute("SELECT parent, name FROM entries WHERE inode = ?", (ino,))]
@@ -265,8 +282,15 @@ class Index:
         with self.transaction():
             self.db.execute(
                 "UPDATE inodes SET obj_gen = ?, obj_tier = ?, size = ?, stored_bytes = ?, codec = ?, "
-                "transform = ?, mtime_ns = ?, ctime_ns = ? WHERE id = ?",
-                (gen, tier, size, stored_bytes, codec, transform, mtime_ns, mtime_ns, ino))
+                "transform = ?, mtime_ns = ?, ctime_ns = ?, last_access_ns = ? WHERE id = ?",
+                (gen, tier, size, stored_bytes, codec, transform, mtime_ns, mtime_ns, time.time_ns(), ino))
+
+    def move_object(self, ino: int, gen: int, source: str, dest: str) -> bool:
+        """The switch of the move protocol (I6): False when the row no longer names that object."""
+        with self.transaction():
+            cur = self.db.execute("UPDATE inodes SET obj_tier = ? WHERE id = ? AND obj_gen = ? AND obj_tier = ?",
+                                  (dest, ino, gen, source))
+        return cur.rowcount == 1
 
     # -- xattrs ---------------------------------------------------------------------------------
     def get_xattr(self, ino: int, name: bytes) -> bytes | None:

@@ -143,7 +143,7 @@ def _transform_for_dtype(dtype: str) -> int:
 
 class OpenFile:
     def __init__(self, ino: int, row, store: Store, index: Index, policy: EncodingPolicy,
-                 frame_size: int, nursery: trio.Nursery, counters, budget: DirtyBudget) -> None:
+                 frame_size: int, nursery: trio.Nursery, counters, budget: DirtyBudget, lock: trio.Lock) -> None:
         self.ino = ino
         self.budget = budget
         self.store = store
@@ -161,7 +161,7 @@ class OpenFile:
         self.dirty: dict[int, DirtyFrame] = {}
         self.modified = False
         self.mtime_ns: int | None = None
-        self.lock = trio.Lock()
+        self.lock = lock  # the inode's lock, shared with the mover
         self.cache: OrderedDict[tuple[int, int], bytes | bytearray] = OrderedDict()
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.handles = 0
@@ -192,6 +192,14 @@ class OpenFile:
     def _mark_corrupt(self, reason: str) -> FileCorrupt:
         self.corrupt = reason
         return FileCorrupt(self.ino, reason)
+
+    def relocated(self, ref: ObjectRef) -> None:
+        """The mover moved the committed object to another tier (same bytes): read it there from now on.
+        Reads in flight on the old place fail to open it and retry here (_StaleObject)."""
+        if self.ref is not None and self.ref.gen == ref.gen:
+            layout = self._layout[1] if self._layout is not None and self._layout[0] is self.ref else None
+            self.ref = ref
+            self._layout = (ref, layout) if layout is not None else None
 
     def _stale_or_vanished(self, ref: ObjectRef) -> Exception:
         if self.ref is not ref:

@@ -9,6 +9,17 @@ import time
 
 
 @dataclasses.dataclass
+class TierCounters:
+    hits: int = 0  # file reads served from this tier (counted once per open handle, at its first read)
+    demoted_files: int = 0  # moved from this tier to the next (slower) one
+    demoted_bytes: int = 0
+    promoted_files: int = 0  # moved into this tier from a slower one
+    promoted_bytes: int = 0
+    evicted_files: int = 0  # dropped from this tier, the last one: they became misses
+    evicted_bytes: int = 0
+
+
+@dataclasses.dataclass
 class Counters:
     bytes_written: int = 0  # logical bytes accepted by write()
     bytes_read: int = 0  # logical bytes returned by read()
@@ -22,10 +33,17 @@ class Counters:
     errors: int = 0  # unexpected exceptions answered with EIO
     reconcile_orphans_removed: int = 0
     reconcile_rows_dropped: int = 0
+    move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
+    writer_waits: int = 0  # commits that waited for the mover to make room
+    writer_wait_s: float = 0.0
+    tiers: dict[str, TierCounters] = dataclasses.field(default_factory=dict)
+
+    def tier(self, name: str) -> TierCounters:
+        return self.tiers.setdefault(name, TierCounters())
 
 
 def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]], config, started: float,
-           open_files: int, dirty_bytes: int) -> bytes:
+           open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict) -> bytes:
     tier_docs = {}
     logical_all = stored_all = 0
     for t in tiers:
@@ -40,6 +58,8 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
             "files": t.files,
             "logical_bytes": logical,
             "compression_ratio": round(stored / logical, 4) if logical else None,
+            "read_bytes": read_bytes.get(t.name, 0),
+            **dataclasses.asdict(counters.tier(t.name)),
         }
     doc = {
         "version": 1,
@@ -55,6 +75,7 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
         "compression_ratio": round(stored_all / logical_all, 4) if logical_all else None,
         "open_files": open_files,
         "dirty_bytes": dirty_bytes,
-        **dataclasses.asdict(counters),
+        "mover": mover,
+        **{k: v for k, v in dataclasses.asdict(counters).items() if k != "tiers"},
     }
     return (json.dumps(doc, indent=2) + "\n").encode()

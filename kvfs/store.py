@@ -2,6 +2,9 @@
 
 CPU work (encode, decode, hashing) runs under the codec limiter; tier I/O under each tier's own I/O limiter,
 so slow tier I/O cannot starve decoding of hits in a fast tier.
+
+Capacity: `fits`/`charge`/`release` keep each tier's used bytes (on the trio thread). Where a new object
+goes is decided by `place`, which the daemon replaces with the mover's policy (it may wait for room).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import trio
@@ -40,12 +43,17 @@ class Layout:
     frames: list[fmt.FrameEntry]
 
 
+Placement = Callable[[int, "ObjectRef | None", bool], Awaitable[Tier]]
+
+
 class Store:
-    def __init__(self, tiers: Sequence[Tier], codec_threads: int | None = None, io_threads: int = 8) -> None:
-        self.tiers = {t.name: t for t in tiers}
+    def __init__(self, tiers: Iterable[Tier], codec_threads: int | None = None, io_threads: int = 8) -> None:
         self.order = list(tiers)  # fastest first
+        self.tiers = {t.name: t for t in self.order}
         self.codec_limiter = trio.CapacityLimiter(codec_threads or max(2, os.cpu_count() or 2))
-        self.io_limiters = {t.name: trio.CapacityLimiter(io_threads) for t in tiers}
+        self.io_limiters = {t.name: trio.CapacityLimiter(io_threads) for t in self.order}
+        self.read_bytes = {t.name: 0 for t in self.order}  # stored bytes read per tier (frames, layouts)
+        self.place: Placement = self.place_now
 
     async def cpu(self, fn: Callable[..., T], *args) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.codec_limiter)
@@ -53,13 +61,25 @@ class Store:
     async def io(self, tier: str, fn: Callable[..., T], *args) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiters[tier])
 
-    def reserve(self, size: int, replacing: ObjectRef | None) -> Tier:
-        """Pick the tier for a new object of `size` bytes and charge it; ENOSPC if it cannot fit."""
-        for tier in self.order:
-            credit = replacing.stored_bytes if replacing and replacing.tier == tier.name else 0
-            if tier.used_bytes - credit + size <= tier.capacity:
-                tier.used_bytes += size
-                tier.files += 1
+    @staticmethod
+    def fits(tier: Tier, size: int, credit: int = 0) -> bool:
+        return tier.used_bytes - credit + size <= tier.capacity
+
+    @staticmethod
+    def charge(tier: Tier, size: int) -> None:
+        tier.used_bytes += size
+        tier.files += 1
+
+    def candidates(self, durable: bool) -> list[Tier]:
+        """Tiers a new object may go to, fastest first: durable objects only to persistent tiers (if any)."""
+        persistent = [t for t in self.order if t.persistent]
+        return persistent if durable and persistent else self.order
+
+    async def place_now(self, size: int, replacing: ObjectRef | None, durable: bool) -> Tier:
+        """Charge the first tier with room for a new object of `size` bytes; ENOSPC if none has."""
+        for tier in self.candidates(durable):
+            if self.fits(tier, size, _credit(tier, replacing)):
+                self.charge(tier, size)
                 return tier
         raise OSError(errno.ENOSPC, "no tier has room for the object")
 
@@ -68,10 +88,10 @@ class Store:
         tier.used_bytes -= size
         tier.files -= 1
 
-    async def put(self, ino: int, gen: int, parts: Sequence[bytes], replacing: ObjectRef | None,
+    async def put(self, ino: int, gen: int, parts: list[bytes], replacing: ObjectRef | None,
                   durable: bool) -> ObjectRef:
         size = sum(len(p) for p in parts)
-        tier = self.reserve(size, replacing)
+        tier = await self.place(size, replacing, durable)
         oid = object_id(ino, gen)
         try:
             await self.io(tier.name, tier.put, oid, parts, durable or tier.persistent)
@@ -82,6 +102,23 @@ class Store:
             raise
         return ObjectRef(ino, gen, tier.name, size)
 
+    async def copy(self, ref: ObjectRef, dest: Tier) -> ObjectRef:
+        """Copy an object as it is (no recompression) into `dest`, which the caller has charged; durable where
+        dest is persistent. On failure the partial copy is gone and the error raised."""
+        source = self.tiers[ref.tier]
+        try:
+            size = await self.io(dest.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
+                                 dest.persistent)
+            if size != ref.stored_bytes:
+                raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
+                                        f"the index says {ref.stored_bytes}")
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.io(dest.name, dest.delete, ref.object_id)
+            raise
+        self.read_bytes[ref.tier] += size
+        return ObjectRef(ref.ino, ref.gen, dest.name, size)
+
     async def delete(self, ref: ObjectRef) -> None:
         self.release(ref.tier, ref.stored_bytes)
         tier = self.tiers[ref.tier]
@@ -90,6 +127,7 @@ class Store:
     async def load_layout(self, ref: ObjectRef) -> Layout:
         tier = self.tiers[ref.tier]
         head = await self.io(ref.tier, tier.read, ref.object_id, 0, PROBE_BYTES)
+        self.read_bytes[ref.tier] += len(head)
         return await self.cpu(self._parse_layout, tier, ref, head)
 
     @staticmethod
@@ -106,6 +144,7 @@ class Store:
         if entry.is_hole:
             return b""
         tier = self.tiers[ref.tier]
+        self.read_bytes[ref.tier] += entry.stored_len
         return await self.io(ref.tier, tier.read, ref.object_id, entry.offset, entry.stored_len)
 
     async def read_frame(self, ref: ObjectRef, entry: fmt.FrameEntry) -> bytes:
@@ -115,9 +154,15 @@ class Store:
         tier = self.tiers[ref.tier]
         if not tier.persistent:
             # a memory-backed tier reads at memory speed: one thread hop instead of two
+            self.read_bytes[ref.tier] += entry.stored_len
             return await self.cpu(_read_and_decode, tier, ref.object_id, entry)
         payload = await self.read_payload(ref, entry)
         return await self.cpu(fmt.decode_frame, entry, payload)
+
+
+def _credit(tier: Tier, replacing: ObjectRef | None) -> int:
+    """Room a commit may count on: the object it replaces in that tier is deleted right after."""
+    return replacing.stored_bytes if replacing is not None and replacing.tier == tier.name else 0
 
 
 def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes:

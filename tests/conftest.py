@@ -30,6 +30,7 @@ class KvfsMount:
         self.mountpoint = root / name
         self.l2 = root / f"{name}-l2"
         self.state = root / f"{name}-state"
+        self.l3 = self.state / "l3"  # the default L3 place (inside the state directory)
         self.log_path = root / f"{name}.log"
         self.mountpoint.mkdir(exist_ok=True)
         self.proc: subprocess.Popen | None = None
@@ -44,6 +45,11 @@ class KvfsMount:
             self.args += ["--l2", f"{self.l2}:{l2_size}"]
         if "--state-dir" not in args:
             self.args += ["--state-dir", str(self.state)]
+        for a in args:
+            if a.startswith("--l3="):
+                self.l3 = Path(a.split("=", 1)[1].rpartition(":")[0])
+        if "--l3" in args:
+            self.l3 = Path(args[args.index("--l3") + 1].rpartition(":")[0])
         cmd = [sys.executable, "-m", "kvfs", "mount", "--foreground", str(self.mountpoint), *self.args]
         log = open(self.log_path, "ab")
         log.write(f"=== start {' '.join(cmd)}\n".encode())
@@ -105,8 +111,23 @@ class KvfsMount:
         return [line for line in self.log_text().splitlines()
                 if _BAD_LINE.search(line) and not any(p.search(line) for p in self.allowed)]
 
-    def objects(self) -> list[Path]:
-        return sorted(p for p in self.l2.glob("*/*") if p.is_file())
+    def tier_dir(self, tier: str) -> Path:
+        return {"L2": self.l2, "L3": self.l3}[tier]
+
+    def objects(self, tier: str | None = None) -> list[Path]:
+        """Object files in one tier's directory, or in all of them."""
+        tiers = [tier] if tier else ["L2", "L3"]
+        return sorted(p for t in tiers for p in self.tier_dir(t).glob("*/*") if p.is_file())
+
+    def check_accounting(self, stats: dict | None = None) -> None:
+        """Each tier's counters equal what its directory holds: no leaked, missing or half-written objects."""
+        stats = stats or self.stats()
+        for name, t in stats["tiers"].items():
+            objects = self.objects(name)
+            assert not [p for p in objects if p.name.endswith(".tmp")], objects
+            assert t["files"] == len(objects), (name, t, objects)
+            assert t["used_bytes"] == sum(p.stat().st_size for p in objects), (name, t)
+            assert t["used_bytes"] <= t["capacity_bytes"], (name, t)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import stat
 from kvfs.index import FIRST_USER_INODE, ROOT_INODE, Index, object_id
 
 
-def check_invariants(db_path, l2_dir) -> None:
+def check_invariants(db_path, tier_dirs: dict) -> None:
     db = sqlite3.connect(db_path)
     db.row_factory = sqlite3.Row
     inodes = {r["id"]: r for r in db.execute("SELECT * FROM inodes")}
@@ -27,8 +27,9 @@ def check_invariants(db_path, l2_dir) -> None:
             assert row["nlink"] == names, ino
         assert row["nlink"] > 0 or ino == ROOT_INODE
     # I3 + I4: exactly the objects the rows name, with their sizes
-    on_disk = {p.name: p.stat().st_size for p in l2_dir.glob("*/*")}
-    named = {object_id(i, r["obj_gen"]): r["stored_bytes"] for i, r in inodes.items() if r["obj_gen"]}
+    on_disk = {(tier, p.name): p.stat().st_size for tier, d in tier_dirs.items() for p in d.glob("*/*")}
+    named = {(r["obj_tier"], object_id(i, r["obj_gen"])): r["stored_bytes"] for i, r in inodes.items()
+             if r["obj_gen"]}
     assert on_disk == named
     for r in inodes.values():
         assert r["obj_gen"] > 0 or r["size"] == 0
@@ -50,7 +51,7 @@ def test_invariants_after_use(make_mount):
     m.path("a", "b", "f4").write_bytes(b"rewritten")
     m.path("empty").touch()
     m.stop()
-    check_invariants(m.state / "index.sqlite", m.l2)
+    check_invariants(m.state / "index.sqlite", {"L2": m.l2, "L3": m.l3})
 
 
 def test_index_unit_namespace_operations(tmp_path):

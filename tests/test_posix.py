@@ -139,7 +139,8 @@ def test_unsaved_writes_shared_by_handles(kvfs: KvfsMount):
 def test_statfs_and_du(kvfs: KvfsMount):
     sv = os.statvfs(kvfs.mountpoint)
     assert sv.f_namemax == 255
-    assert sv.f_blocks * sv.f_frsize == 512 << 20
+    assert sv.f_blocks * sv.f_frsize == sum(t["capacity_bytes"] for t in kvfs.stats()["tiers"].values())
+    assert sv.f_blocks * sv.f_frsize == (512 << 20) + (16 << 30)  # the fixture's L2 and the default L3
     f = kvfs.path("zeros-and-text")
     f.write_bytes(b"abcd" * 500_000)
     used = os.statvfs(kvfs.mountpoint)

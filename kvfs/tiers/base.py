@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
+
+COPY_CHUNK = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +32,13 @@ class Tier(abc.ABC):
         return max(0, self.capacity - self.used_bytes)
 
     @abc.abstractmethod
-    def put(self, object_id: str, parts: Sequence[bytes], durable: bool) -> int:
+    def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
         """Atomically create the object from parts (temp name, rename); fsync when durable. Returns size."""
+
+    def copy_from(self, source: "Tier", object_id: str, size: int, durable: bool) -> int:
+        """Create the object as a copy of `source`'s (the move protocol: temp, fsync, rename). Returns the
+        bytes copied; fewer than `size` when the source is shorter."""
+        return self.put(object_id, _chunks(source, object_id, size), durable)
 
     @abc.abstractmethod
     def read(self, object_id: str, offset: int, length: int) -> bytes:
@@ -53,3 +60,13 @@ class Tier(abc.ABC):
     def remove_strays(self) -> int:
         """Delete what is not an object in its place (leftovers of interrupted puts, misplaced files);
         returns how many. After it, scan() yields only objects that delete() can remove."""
+
+
+def _chunks(source: Tier, object_id: str, size: int) -> Iterator[bytes]:
+    offset = 0
+    while offset < size:
+        chunk = source.read(object_id, offset, min(COPY_CHUNK, size - offset))
+        if not chunk:
+            return
+        yield chunk
+        offset += len(chunk)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .base import ObjectInfo, Tier
@@ -27,7 +27,7 @@ class DirectoryTier(Tier):
         shard = format(hash_shard(object_id), "02x")
         return self.root / shard / object_id
 
-    def put(self, object_id: str, parts: Sequence[bytes], durable: bool) -> int:
+    def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
         path = self._path(object_id)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(path.name + TMP_SUFFIX)

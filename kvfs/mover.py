@@ -1,0 +1,304 @@
+"""The mover: where objects live — placement of new objects, demotion, promotion and eviction.
+
+Policy
+- A tier above its high watermark is drained to its low watermark: its least recently used files are
+  demoted to the next tier; from the last tier they are evicted (kvfs is a cache: the file disappears and
+  its next lookup is a miss).
+- A new object goes to the fastest tier it fits in (durable ones — fsync — to the first persistent tier).
+  When that tier is momentarily full the writer waits while room is made the same way; it falls back to the
+  next tier only when nothing can be freed, and gets ENOSPC when no tier can take the object. An object
+  larger than a tier's whole capacity skips that tier.
+- A file read from a slower tier is promoted to the fastest after `promotion.after_reads` reads
+  (1 = always, 0 = never), in the background: the read itself is served where the file is.
+- Files being written or committed (their inode lock is busy) are skipped; open files are never evicted.
+
+Move protocol (`move`): with the inode lock held, copy the encoded object to the destination (temp name,
+fsync where persistent, rename), switch the row's tier in one transaction only if the row still names the
+copied object (index I6), point an open file at the new place, then unlink the source. A reader that
+opened the source before the unlink keeps reading it; one that finds it gone retries at the new place.
+A crash at any step leaves the object in one tier for the index, and a duplicate that reconcile removes.
+
+Capacity: a tier's used bytes only grow through `Store.charge` after `Store.fits` — a tier never holds more
+than its capacity, except a commit's new object beside the one it replaces, for as long as the switch takes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from .config import PromotionPolicy, TierConfig
+from .index import Index
+from .locks import InodeLocks
+from .stats import Counters
+from .store import ObjectRef, Store
+from .tiers import Tier
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0  # the mover checks watermarks at least this often
+MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
+CANDIDATES = 32  # least recently used files fetched per round
+
+
+class Mover:
+    def __init__(self, store: Store, index: Index, tiers: tuple[TierConfig, ...], promotion: PromotionPolicy,
+                 counters: Counters, locks: InodeLocks) -> None:
+        self.store = store
+        self.index = index
+        self.counters = counters
+        self.locks = locks
+        self.promotion = promotion
+        self.order = store.order  # fastest first
+        self.watermarks = {t.name: (t.high_watermark, t.low_watermark) for t in tiers}
+        self._room = {t.name: trio.Lock() for t in self.order}  # one agent frees room in a tier at a time
+        self._slots = trio.CapacityLimiter(MOVES_IN_FLIGHT)
+        self._wake = trio.Event()
+        self._reads: dict[int, int] = {}  # ino → reads from a slower tier since it got there
+        self._promotions: dict[int, None] = {}  # queued, in order
+        self._draining: set[str] = set()
+        # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
+        self.open_file: Callable[[int], object | None] = lambda ino: None
+        self.drop_names: Callable[[int], None] = lambda ino: None
+
+    # -- the background task ---------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            with trio.move_on_after(TICK_S):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            try:
+                await self._promote_queued()
+                for tier in self.order:
+                    high, low = self.watermarks[tier.name]
+                    if tier.used_bytes > high * tier.capacity:
+                        await self._drain(tier, int(low * tier.capacity))
+            except Exception:
+                self.counters.errors += 1
+                log.exception("mover pass failed; retrying at the next tick")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def status(self) -> dict:
+        """Gauges for .kvfs/stats."""
+        backlog = 0
+        for tier in self.order:
+            high, low = self.watermarks[tier.name]
+            if tier.name in self._draining or tier.used_bytes > high * tier.capacity:
+                backlog += max(0, tier.used_bytes - int(low * tier.capacity))
+        return {
+            "promotion": str(self.promotion),
+            "watermarks": {name: {"high": h, "low": lo} for name, (h, lo) in self.watermarks.items()},
+            "draining": sorted(self._draining),
+            "backlog_bytes": backlog,
+            "promotions_queued": len(self._promotions),
+        }
+
+    # -- placement of new objects (Store.place) ------------------------------------------------------------
+    async def place(self, size: int, replacing: ObjectRef | None, durable: bool) -> Tier:
+        for tier in self.store.candidates(durable):
+            if size > tier.capacity:
+                continue  # can never fit: straight to the next tier
+            credit = replacing.stored_bytes if replacing is not None and replacing.tier == tier.name else 0
+            if await self._reserve(tier, size, credit, waiting_writer=True):
+                return tier
+        raise OSError(errno.ENOSPC, f"no tier has room for an object of {size} bytes")
+
+    async def _reserve(self, tier: Tier, size: int, credit: int = 0, waiting_writer: bool = False) -> bool:
+        """Charge `tier` for `size` bytes, making room first if needed; False if no room can be made."""
+        started = None
+        try:
+            while not self.store.fits(tier, size, credit):
+                if started is None and waiting_writer:
+                    started = time.monotonic()
+                    self.counters.writer_waits += 1
+                if not await self._make_room(tier, size - credit):
+                    return False
+            self.store.charge(tier, size)
+            high, _ = self.watermarks[tier.name]
+            if tier.used_bytes > high * tier.capacity:
+                self.wake()
+            return True
+        finally:
+            if started is not None:
+                self.counters.writer_wait_s += time.monotonic() - started
+
+    async def _make_room(self, tier: Tier, need: int) -> bool:
+        """Demote (or, from the last tier, evict) until `need` bytes fit; False if nothing was freed."""
+        async with self._room[tier.name]:
+            if self.store.fits(tier, need):
+                return True  # another agent made room meanwhile
+            freed = await self._drain(tier, tier.capacity - need, locked=True)
+            return freed > 0 or self.store.fits(tier, need)
+
+    # -- draining a tier -------------------------------------------------------------------------------
+    async def _drain(self, tier: Tier, target_used: int, locked: bool = False) -> int:
+        """Move least recently used files out of `tier` until it uses at most `target_used` bytes. Returns the
+        bytes freed."""
+        if not locked:
+            async with self._room[tier.name]:
+                return await self._drain(tier, target_used, locked=True)
+        self._draining.add(tier.name)
+        start = tier.used_bytes
+        tried: set[int] = set()
+        try:
+            while tier.used_bytes > target_used:
+                rows = self.index.least_recently_used(tier.name, CANDIDATES, tried)
+                if not rows:
+                    break  # nothing left to try: whatever remains is busy, open (last tier) or pinned
+                async with trio.open_nursery() as nursery:
+                    planned = 0
+                    for row in rows:
+                        if tier.used_bytes - planned <= target_used:
+                            break
+                        tried.add(row["id"])
+                        planned += row["stored_bytes"]
+                        nursery.start_soon(self._push_out, tier, row["id"])
+        finally:
+            self._draining.discard(tier.name)
+        return max(0, start - tier.used_bytes)
+
+    def _next_tier(self, tier: Tier) -> Tier | None:
+        i = self.order.index(tier)
+        return self.order[i + 1] if i + 1 < len(self.order) else None
+
+    async def _push_out(self, tier: Tier, ino: int) -> None:
+        async with self._slots:
+            dest = self._next_tier(tier)
+            if dest is None:
+                await self.evict(ino, tier)
+            else:
+                await self.move(ino, dest)
+
+    # -- moves -----------------------------------------------------------------------------------------
+    async def move(self, ino: int, dest: Tier, *, wait: bool = False) -> bool:
+        """Move a file's object to `dest` by the move protocol. With wait=False a file whose lock is busy is
+        skipped. Returns True if the object is now in `dest` because of this call."""
+        lock = self.locks.take(ino)
+        try:
+            if wait:
+                await lock.acquire()
+            else:
+                try:
+                    lock.acquire_nowait()
+                except trio.WouldBlock:
+                    return False
+            try:
+                return await self._move_locked(ino, dest)
+            finally:
+                lock.release()
+        finally:
+            self.locks.give_back(ino)
+
+    async def _move_locked(self, ino: int, dest: Tier) -> bool:
+        row = self.index.get(ino)
+        if row is None or not row["obj_gen"] or row["obj_tier"] == dest.name or row["obj_tier"] not in self.store.tiers:
+            return False
+        ref = ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
+        if ref.stored_bytes > dest.capacity or not await self._reserve(dest, ref.stored_bytes):
+            self.counters.move_failures += 1
+            log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, ref.stored_bytes)
+            return False
+        try:
+            new_ref = await self.store.copy(ref, dest)
+        except Exception as e:
+            self.store.release(dest.name, ref.stored_bytes)
+            self.counters.move_failures += 1
+            log.warning("moving inode %d from %s to %s failed: %s", ino, ref.tier, dest.name, e)
+            return False
+        except BaseException:
+            self.store.release(dest.name, ref.stored_bytes)
+            raise
+        if not self.index.move_object(ino, ref.gen, ref.tier, dest.name):
+            await self.store.delete(new_ref)  # unlinked or evicted meanwhile: the copy is garbage
+            return False
+        state = self.open_file(ino)
+        if state is not None:
+            state.relocated(new_ref)
+        self._count_move(ref, dest)
+        await self.store.delete(ref)
+        return True
+
+    def _count_move(self, ref: ObjectRef, dest: Tier) -> None:
+        source = self.store.tiers[ref.tier]
+        if self.order.index(dest) > self.order.index(source):
+            c = self.counters.tier(source.name)
+            c.demoted_files += 1
+            c.demoted_bytes += ref.stored_bytes
+        else:
+            c = self.counters.tier(dest.name)
+            c.promoted_files += 1
+            c.promoted_bytes += ref.stored_bytes
+            self._reads.pop(ref.ino, None)
+
+    async def evict(self, ino: int, tier: Tier) -> bool:
+        """Drop a file from the cache: its names go, then its object. Never an open or busy file."""
+        if self.open_file(ino) is not None:
+            return False
+        lock = self.locks.take(ino)
+        try:
+            try:
+                lock.acquire_nowait()
+            except trio.WouldBlock:
+                return False
+            try:
+                row = self.index.get(ino)
+                if row is None or not row["obj_gen"] or row["obj_tier"] != tier.name or self.open_file(ino):
+                    return False
+                ref = ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
+                self.drop_names(ino)  # the index forgets the object first: a crash leaves an orphan, not a row
+                c = self.counters.tier(tier.name)
+                c.evicted_files += 1
+                c.evicted_bytes += ref.stored_bytes
+                self._reads.pop(ino, None)
+                await self.store.delete(ref)
+                return True
+            finally:
+                lock.release()
+        finally:
+            self.locks.give_back(ino)
+
+    # -- reads and promotion -----------------------------------------------------------------------------
+    def note_read(self, ino: int, tier_name: str) -> None:
+        """A file was read (once per open handle) from `tier_name`: count the hit, maybe queue a promotion."""
+        self.counters.tier(tier_name).hits += 1
+        if tier_name == self.order[0].name or not self.promotion.after_reads:
+            return
+        reads = self._reads[ino] = self._reads.get(ino, 0) + 1
+        if reads >= self.promotion.after_reads and ino not in self._promotions:
+            self._promotions[ino] = None
+            self.wake()
+
+    async def _promote_queued(self) -> None:
+        fastest = self.order[0]
+        while self._promotions:
+            batch = list(self._promotions)[:MOVES_IN_FLIGHT]
+            async with trio.open_nursery() as nursery:
+                for ino in batch:
+                    del self._promotions[ino]
+                    nursery.start_soon(self._promote, ino, fastest)
+
+    async def _promote(self, ino: int, dest: Tier) -> None:
+        async with self._slots:
+            await self.move(ino, dest)
+
+    # -- fsync -------------------------------------------------------------------------------------------
+    async def make_durable(self, ino: int) -> None:
+        """fsync: the file's object must be on a persistent tier when this returns (if one is configured)."""
+        persistent = [t for t in self.order if t.persistent]
+        row = self.index.get(ino)
+        if not persistent or row is None or not row["obj_gen"]:
+            return
+        if self.store.tiers[row["obj_tier"]].persistent:
+            return
+        await self.move(ino, persistent[0], wait=True)
+        row = self.index.get(ino)
+        if row is not None and row["obj_gen"] and not self.store.tiers[row["obj_tier"]].persistent:
+            raise OSError(errno.ENOSPC, f"no room to make inode {ino} durable in {persistent[0].name}")
+
