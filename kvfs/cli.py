@@ -127,13 +127,22 @@ def stat_cmd(mountpoint, as_json):
     from rich.table import Table
 
     tiers = Table(title=f"kvfs at {doc['mountpoint']} (pid {doc['pid']}, codec {doc['codec']})")
-    for col in ("tier", "path", "used", "capacity", "use %", "files", "logical", "ratio"):
+    columns = ("tier", "path", "used", "capacity", "use %", "files", "logical", "ratio", "hits", "demoted",
+               "promoted", "evicted")
+    for col in columns:
         tiers.add_column(col, justify="left" if col in ("tier", "path") else "right")
     for name, t in doc["tiers"].items():
         pct = 100 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0
         tiers.add_row(name, t["path"], _human(t["used_bytes"]), _human(t["capacity_bytes"]), f"{pct:.1f}",
                       str(t["files"]), _human(t["logical_bytes"]),
-                      "-" if t["compression_ratio"] is None else f"{t['compression_ratio']:.3f}")
+                      "-" if t["compression_ratio"] is None else f"{t['compression_ratio']:.3f}",
+                      str(t["hits"]), _moved(t["demoted_files"], t["demoted_bytes"]),
+                      _moved(t["promoted_files"], t["promoted_bytes"]), _moved(t["evicted_files"], t["evicted_bytes"]))
+    mover = doc["mover"]
+    tiers.caption = (f"mover: promotion {mover['promotion']}, "
+                     f"draining {', '.join(mover['draining']) or 'nothing'}, backlog {_human(mover['backlog_bytes'])}, "
+                     f"{mover['promotions_queued']} promotions queued, {doc['writer_waits']} writer waits "
+                     f"({doc['writer_wait_s']:.1f} s), {doc['move_failures']} failed moves")
     counters = Table(show_header=False, title="counters")
     for key in ("bytes_written", "bytes_read", "commits", "commit_failures", "checksum_failures", "errors",
                 "open_files", "dirty_bytes", "compression_ratio"):
@@ -142,6 +151,10 @@ def stat_cmd(mountpoint, as_json):
     console = Console()
     console.print(tiers)
     console.print(counters)
+
+
+def _moved(files: int, nbytes: int) -> str:
+    return f"{files} ({_human(nbytes)})" if files else "0"
 
 
 def _human(n) -> str:

@@ -92,7 +92,8 @@ def run(config: Config) -> int:
     tiers = [DirectoryTier(t.name, t.path, t.capacity, t.persistent) for t in config.tiers]
     report = reconcile(index, tiers)
     counters = Counters(reconcile_orphans_removed=report.orphans_removed,
-                        reconcile_rows_dropped=report.rows_dropped)
+                        reconcile_rows_dropped=report.rows_dropped,
+                        reconcile_objects_adopted=report.objects_adopted)
     store = Store(tiers)
     locks = InodeLocks()
     mover = Mover(store, index, config.tiers, config.promotion, counters, locks)

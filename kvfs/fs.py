@@ -103,6 +103,7 @@ class Operations(pyfuse3.Operations):
         self.counters = counters
         mover.open_file = self.open_files_get
         mover.drop_names = self.drop_evicted
+        mover.forget_names = self.forget_names
         self.codec = by_name(config.codec)
         self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
         self.lookups: dict[int, int] = {}
@@ -653,21 +654,24 @@ class Operations(pyfuse3.Operations):
         except Exception:
             log.exception("dropping corrupt inode %d failed", err.ino)
 
-    def drop_evicted(self, ino: int) -> None:
-        """The mover evicts a file: its names go now; the kernel forgets them in the background (waiting
-        here could deadlock with a request that holds the directory while it waits for room)."""
+    def drop_evicted(self, ino: int) -> list[tuple[int, bytes]]:
+        """The mover evicts a file: its names and its object reference go from the index. Returns the names,
+        for `forget_names` once the object is deleted."""
         names = self.index.entries_of(ino)
         self.index.drop_file(ino, forget_object=True)
-        for parent, name in names:
-            self.nursery.start_soon(self._forget_name, parent, name, ino)
         if ino not in self.lookups:
             self.index.delete_inode(ino)
+        return names
 
-    async def _forget_name(self, parent: int, name: bytes, ino: int) -> None:
-        try:
-            await trio.to_thread.run_sync(_invalidate_entry, parent, name, ino, abandon_on_cancel=True)
-        except Exception:
-            log.debug("invalidating %r of inode %d failed", name, ino, exc_info=True)
+    async def forget_names(self, ino: int, names: list[tuple[int, bytes]]) -> None:
+        """Make the kernel forget names of a dropped file, so the next lookup is a miss. Waits at most
+        INVALIDATE_WAIT_S: a request holding the directory may be in the way (it finishes on its own)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(INVALIDATE_WAIT_S):
+            for parent, name in names:
+                try:
+                    await trio.to_thread.run_sync(_invalidate_entry, parent, name, ino, abandon_on_cancel=True)
+                except Exception:
+                    log.debug("invalidating %r of inode %d failed", name, ino, exc_info=True)
 
     def render_stats(self) -> bytes:
         return stats_mod.render(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),

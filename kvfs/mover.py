@@ -27,7 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -63,11 +63,13 @@ class Mover:
         self._draining: set[str] = set()
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
-        self.drop_names: Callable[[int], None] = lambda ino: None
+        self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
+        self.forget_names: Callable[[int, list[tuple[int, bytes]]], Awaitable[None]] = _forget_nothing
 
     # -- the background task ---------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        self.wake()  # the first pass at once: a restart with smaller capacities has work waiting
         while True:
             with trio.move_on_after(TICK_S):
                 await self._wake.wait()
@@ -169,12 +171,11 @@ class Mover:
         return self.order[i + 1] if i + 1 < len(self.order) else None
 
     async def _push_out(self, tier: Tier, ino: int) -> None:
-        async with self._slots:
-            dest = self._next_tier(tier)
-            if dest is None:
-                await self.evict(ino, tier)
-            else:
-                await self.move(ino, dest)
+        dest = self._next_tier(tier)
+        if dest is None:
+            await self.evict(ino, tier)
+        else:
+            await self.move(ino, dest)
 
     # -- moves -----------------------------------------------------------------------------------------
     async def move(self, ino: int, dest: Tier, *, wait: bool = False) -> bool:
@@ -206,7 +207,8 @@ class Mover:
             log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, ref.stored_bytes)
             return False
         try:
-            new_ref = await self.store.copy(ref, dest)
+            async with self._slots:  # only the copy: never hold a slot while waiting for room
+                new_ref = await self.store.copy(ref, dest)
         except Exception as e:
             self.store.release(dest.name, ref.stored_bytes)
             self.counters.move_failures += 1
@@ -252,15 +254,16 @@ class Mover:
                 if row is None or not row["obj_gen"] or row["obj_tier"] != tier.name or self.open_file(ino):
                     return False
                 ref = ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
-                self.drop_names(ino)  # the index forgets the object first: a crash leaves an orphan, not a row
+                names = self.drop_names(ino)  # the index first: a crash leaves an orphan object, not a row
                 c = self.counters.tier(tier.name)
                 c.evicted_files += 1
                 c.evicted_bytes += ref.stored_bytes
                 self._reads.pop(ino, None)
                 await self.store.delete(ref)
-                return True
             finally:
                 lock.release()
+            await self.forget_names(ino, names)
+            return True
         finally:
             self.locks.give_back(ino)
 
@@ -282,11 +285,7 @@ class Mover:
             async with trio.open_nursery() as nursery:
                 for ino in batch:
                     del self._promotions[ino]
-                    nursery.start_soon(self._promote, ino, fastest)
-
-    async def _promote(self, ino: int, dest: Tier) -> None:
-        async with self._slots:
-            await self.move(ino, dest)
+                    nursery.start_soon(self.move, ino, fastest)
 
     # -- fsync -------------------------------------------------------------------------------------------
     async def make_durable(self, ino: int) -> None:
@@ -302,3 +301,7 @@ class Mover:
         if row is not None and row["obj_gen"] and not self.store.tiers[row["obj_tier"]].persistent:
             raise OSError(errno.ENOSPC, f"no room to make inode {ino} durable in {persistent[0].name}")
 
+
+
+async def _forget_nothing(ino: int, names: list[tuple[int, bytes]]) -> None:
+    """Default until a filesystem binds the mover: nothing caches names."""

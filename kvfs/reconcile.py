@@ -2,7 +2,9 @@
 
 - inodes left with nlink 0 (unlinked while open, then the daemon died) are deleted;
 - interrupted puts (temp files), misplaced files and objects no row names are deleted (orphans);
-- rows whose object is missing or has the wrong size (tmpfs lost at reboot, crash) are dropped: a miss;
+- rows whose object is missing or has the wrong size (tmpfs lost at reboot, crash) are dropped: a miss —
+  unless a complete copy of that very object sits in another tier (a move cut short), which is adopted;
+- an object in two tiers (a move cut short before the source was unlinked) is kept where the row says;
 - tier usage counters are seeded from what remains.
 """
 
@@ -23,37 +25,54 @@ class ReconcileReport:
     orphans_removed: int = 0
     rows_dropped: int = 0
     unlinked_deleted: int = 0
+    objects_adopted: int = 0
 
 
 def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
     report = ReconcileReport()
-    db = index.db
-    gone = [r[0] for r in db.execute("SELECT id FROM inodes WHERE nlink = 0 AND id != 1")]
+    gone = [r[0] for r in index.db.execute("SELECT id FROM inodes WHERE nlink = 0 AND id != 1")]
     index.purge(gone)
     report.unlinked_deleted = len(gone)
 
-    wanted = {(r["obj_tier"], object_id(r["id"], r["obj_gen"])): (r["id"], r["stored_bytes"])
-              for r in index.objects()}
-    present: set[tuple[str, str]] = set()
+    found: dict[str, dict[str, int]] = {}  # object id → {tier: size}
     for tier in tiers:
         report.strays_removed += tier.remove_strays()
-        tier.used_bytes = tier.files = 0
-        for info in list(tier.scan()):
-            key = (tier.name, info.object_id)
-            expected = wanted.get(key)
-            if expected is None or expected[1] != info.size:
-                tier.delete(info.object_id)
-                report.orphans_removed += 1
-                continue
-            present.add(key)
-            tier.used_bytes += info.size
-            tier.files += 1
+        for info in tier.scan():
+            found.setdefault(info.object_id, {})[tier.name] = info.size
 
-    missing = [ino for key, (ino, _) in wanted.items() if key not in present]
+    keep: set[tuple[str, str]] = set()
+    missing = []
+    for row in index.objects():
+        oid = object_id(row["id"], row["obj_gen"])
+        places = found.get(oid, {})
+        if places.get(row["obj_tier"]) == row["stored_bytes"]:
+            keep.add((row["obj_tier"], oid))
+            continue
+        # a move interrupted after its copy was complete (e.g. a power loss lost the index switch and tmpfs):
+        # the copy is the same object — same id, same size, checksummed when read — so it is kept
+        adopted = next((t.name for t in tiers if places.get(t.name) == row["stored_bytes"]), None)
+        if adopted is not None and index.move_object(row["id"], row["obj_gen"], row["obj_tier"], adopted):
+            keep.add((adopted, oid))
+            report.objects_adopted += 1
+        else:
+            missing.append(row["id"])
     index.purge(missing)
     report.rows_dropped = len(missing)
+
+    for tier in tiers:
+        tier.used_bytes = tier.files = 0
+    by_name = {t.name: t for t in tiers}
+    for oid, places in found.items():
+        for tier_name, size in places.items():
+            tier = by_name[tier_name]
+            if (tier_name, oid) in keep:
+                tier.used_bytes += size
+                tier.files += 1
+            else:
+                tier.delete(oid)
+                report.orphans_removed += 1
     _fix_directory_links(index)
-    if report.orphans_removed or report.rows_dropped or report.strays_removed or report.unlinked_deleted:
+    if any(dataclasses.astuple(report)):
         log.info("reconcile: %s", report)
     return report
 

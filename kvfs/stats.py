@@ -33,6 +33,7 @@ class Counters:
     errors: int = 0  # unexpected exceptions answered with EIO
     reconcile_orphans_removed: int = 0
     reconcile_rows_dropped: int = 0
+    reconcile_objects_adopted: int = 0  # rows pointed at a complete copy in another tier (a move cut short)
     move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
     writer_waits: int = 0  # commits that waited for the mover to make room
     writer_wait_s: float = 0.0

@@ -52,7 +52,7 @@ class Store:
         self.tiers = {t.name: t for t in self.order}
         self.codec_limiter = trio.CapacityLimiter(codec_threads or max(2, os.cpu_count() or 2))
         self.io_limiters = {t.name: trio.CapacityLimiter(io_threads) for t in self.order}
-        self.read_bytes = {t.name: 0 for t in self.order}  # stored bytes read per tier (frames, layouts)
+        self.read_bytes = {t.name: 0 for t in self.order}  # stored bytes read for file reads (not moves)
         self.place: Placement = self.place_now
 
     async def cpu(self, fn: Callable[..., T], *args) -> T:
@@ -116,7 +116,6 @@ class Store:
             with trio.CancelScope(shield=True):
                 await self.io(dest.name, dest.delete, ref.object_id)
             raise
-        self.read_bytes[ref.tier] += size
         return ObjectRef(ref.ino, ref.gen, dest.name, size)
 
     async def delete(self, ref: ObjectRef) -> None:
