@@ -51,3 +51,42 @@ def test_bad_config_is_a_clear_error(tmp_path):
     other.write_text("[l9]\n")
     with pytest.raises(ConfigError, match="unknown config sections"):
         build_config(tmp_path / "m", config_file=other)
+
+
+def test_l3_defaults_toml_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = build_config(tmp_path / "m")
+    assert cfg.l3.path == cfg.state_dir / "l3" and cfg.l3.capacity == 16 << 30 and cfg.l3.persistent
+    assert [t.name for t in cfg.tiers] == ["L2", "L3"] and not cfg.l2.persistent
+    assert (cfg.l2.high_watermark, cfg.l2.low_watermark) == (0.9, 0.8) and str(cfg.promotion) == "always"
+    toml = tmp_path / "t.toml"
+    toml.write_text('[mount]\npromote = 2\n[l2]\nhigh_watermark = 0.75\nlow_watermark = 0.5\n'
+                    '[l3]\npath = "/var/tmp/x"\ncapacity = "100G"\nhigh_watermark = 0.99\nlow_watermark = 0.95\n')
+    cfg = build_config(tmp_path / "m", config_file=toml)
+    assert (cfg.l2.high_watermark, cfg.l2.low_watermark) == (0.75, 0.5)
+    assert (cfg.l3.path, cfg.l3.capacity, cfg.l3.high_watermark) == (Path("/var/tmp/x"), 100 << 30, 0.99)
+    assert cfg.promotion.after_reads == 2 and str(cfg.promotion) == "after 2 reads"
+    cfg = build_config(tmp_path / "m", config_file=toml, l3="/ssd/kv:2T", promote="never")
+    assert (cfg.l3.path, cfg.l3.capacity, cfg.l3.low_watermark) == (Path("/ssd/kv"), 2 << 40, 0.95)
+    assert cfg.promotion.after_reads == 0
+    no_l3 = build_config(tmp_path / "m", l3="none")
+    assert no_l3.l3 is None and [t.name for t in no_l3.tiers] == ["L2"]
+
+
+@pytest.mark.parametrize("toml,message", [
+    ('[l2]\nhigh_watermark = 0.5\nlow_watermark = 0.7\n', "watermarks"),
+    ('[l3]\nhigh_watermark = 1.5\n', "watermarks"),
+    ('[l3]\nsize = "1G"\n', "unknown keys in \\[l3\\]"),
+    ('[mount]\npromote = "sometimes"\n', "promotion policy"),
+    ('[mount]\npromote = 0\n', "makes no sense"),
+])
+def test_bad_tier_settings_are_clear_errors(tmp_path, toml, message):
+    f = tmp_path / "t.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        build_config(tmp_path / "m", config_file=f)
+
+
+def test_l2_and_l3_must_differ(tmp_path):
+    with pytest.raises(ConfigError, match="different"):
+        build_config(tmp_path / "m", l2=f"{tmp_path}/same:1G", l3=f"{tmp_path}/same:2G")

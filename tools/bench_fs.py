@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark kvfs against its own backing store with real KV-cache block files (a benchmark, not a test).
 
-Three variants are measured side by side in one run:
+Two sections, both by default (--only codecs / --only tiers runs one). The codecs section measures three
+variants side by side in one run:
 
     tmpfs   files written and read directly on /dev/shm (the baseline: what the L2 tier itself can do)
     none    through a kvfs mount with --codec none (FUSE + daemon + object format, no compression)
@@ -38,9 +39,15 @@ Targets (PASS/FAIL printed, exit status 1 if any fails):
   zstd stored/raw <= 0.69 on bf16 and <= 0.87 on fp16
   zstd write MB/s >= 0.6 x codec none, zstd read MB/s >= 0.7 x codec none (both through the mount)
 
+The tiers section (tools/bench_tiers.py, details there) measures, with the same files, reads of files on
+L2 (tmpfs) vs on L3 (local disk, --l3-dir) with the L3 objects in the page cache ("L3 warm") or dropped from
+it ("L3 cold"): MB/s and per-file latency p50/p99; and the mover's demotion throughput L2 -> L3, at mount
+(a remount with a small L2) and while a writer fills a small L2. It has no targets.
+
 Usage (as root, FUSE available):
-    .venv/bin/python tools/bench_fs.py                       # 48 files per dtype, 3 rounds
+    .venv/bin/python tools/bench_fs.py                       # 64 files per dtype, 5 rounds, both sections
     .venv/bin/python tools/bench_fs.py --files 16 --rounds 1 # quick
+    .venv/bin/python tools/bench_fs.py --only tiers --rounds 3   # -> bench-results/bench_fs-tiers.json
     .venv/bin/python tools/bench_fs.py --data bf16=/path/a --data fp16=/path/b --out bench-results/x.json
 """
 
@@ -69,6 +76,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = [Path("/work/kvdata/bf16"), Path("/work/kvdata/fp16")]
 FALLBACK_DATA = REPO / "tests" / "data" / "kv"
 VARIANTS = ("tmpfs", "none", "zstd")
+SECTIONS = ("codecs", "tiers")  # tiers: tools/bench_tiers.py
 KNOWN_DTYPES = ("bf16", "fp16")
 MB = 1e6
 GB = 1e9
@@ -308,18 +316,22 @@ class Mount:
     """One kvfs daemon in the foreground, as a child process of the benchmark."""
 
     def __init__(self, kvfs: str, codec: str, base: Path, shm_base: Path, l2_capacity: int, tag: str,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, *, l3: tuple[Path, int] | None = None, promote: str | None = None) -> None:
+        """l3: (directory under which this mount's L3 goes, capacity); None leaves kvfs its default L3 (in the
+        state dir). A Mount with the tag of a stopped one remounts the same state, L2 and L3."""
         self.codec = codec
         self.mountpoint = base / f"mnt-{tag}"
         self.state = base / f"state-{tag}"
         self.l2 = shm_base / f"l2-{tag}"
+        self.l3 = l3[0] / f"l3-{tag}" if l3 else None
         self.log_path = base / f"kvfs-{tag}.log"
         self.cmd = [kvfs, "mount", str(self.mountpoint), "--foreground", "--l2", f"{self.l2}:{l2_capacity}",
-                    "--codec", codec, "--state-dir", str(self.state), *(["--dtype", dtype] if dtype else [])]
+                    "--codec", codec, "--state-dir", str(self.state), *(["--dtype", dtype] if dtype else []),
+                    *(["--l3", f"{self.l3}:{l3[1]}"] if l3 else []), *(["--promote", promote] if promote else [])]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.mountpoint.mkdir(parents=True)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)  # exists when remounting
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + MOUNT_TIMEOUT_S
@@ -387,6 +399,16 @@ class Mount:
                 self.proc.send_signal(signal.SIGKILL)
                 self.proc.wait(15)
         self.proc = None
+
+    def remove_dirs(self) -> None:
+        """After a clean stop: the backing directories and the mountpoint go, the log stays."""
+        for d in (self.l2, self.state, self.l3):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        try:
+            self.mountpoint.rmdir()
+        except OSError:
+            pass
 
     def bad_log_lines(self) -> list[str]:
         try:
@@ -510,12 +532,7 @@ def run_variant(variant: str, rnd: int, datasets: dict[str, DataSet], args, base
         if code != 0 or bad_lines:
             raise BenchFailure(f"{variant} round {rnd}: daemon exit {code}, log errors:\n" +
                                "\n".join(bad_lines[:20]) + "\n" + mount.log_tail())
-        shutil.rmtree(mount.l2, ignore_errors=True)
-        shutil.rmtree(mount.state, ignore_errors=True)
-        try:
-            mount.mountpoint.rmdir()
-        except OSError:
-            pass
+        mount.remove_dirs()
     else:
         shutil.rmtree(root, ignore_errors=True)
     return rec
@@ -713,6 +730,54 @@ def _default_kvfs() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+def run_codec_rounds(datasets: dict[str, DataSet], args, base: Path, shm_base: Path, live: list,
+                     console) -> list[dict]:
+    records = []
+    for rnd in range(args.rounds):
+        k = rnd % len(VARIANTS)
+        order = VARIANTS[k:] + VARIANTS[:k]
+        for v in order:
+            t0 = time.monotonic()
+            rec = run_variant(v, rnd, datasets, args, base, shm_base, live)
+            records.append(rec)
+            brief = "  ".join(f"{dt} w {derive(r)['write_MBps']:.0f} r {derive(r)['read_MBps']:.0f}"
+                              for dt, r in rec["dtypes"].items())
+            console.print(f"round {rnd + 1}/{args.rounds} {v:5s}: {brief} MB/s  ({time.monotonic() - t0:.1f}s)")
+    return records
+
+
+def codec_doc(records: list[dict], datasets: dict[str, DataSet]) -> dict:
+    """The codec section's part of the JSON (top-level keys, as before the tier section existed)."""
+    agg = aggregate(records, list(datasets))
+    targets = check_targets(agg)
+    return {
+        "caches_dropped": all(r.get("caches_dropped") for r in records),
+        "rounds": records,
+        "fields": {"cpu none/zstd": "total CPU s/GB of none / of zstd, per round then median: the zstd/none "
+                                    "throughput ratio if both were CPU-bound (insensitive to other load)",
+                   "encode_amplification": "frames encoded by the daemon / frames in the files written "
+                                           "(1.0 = every frame compressed once)",
+                   "transforms": "user.kvfs.transform xattr of the files written (per file)",
+                   "paired_median": "median over rounds of (numerator / denominator) of the same round"},
+        "results": agg,
+        "targets": targets,
+        "all_targets_pass": all(t["pass"] for t in targets),
+    }
+
+
+def check_l3_dir(path: Path, need: int, notes: list[str]) -> None:
+    """The tier section's L3 must be a real disk with room for the files (twice over, for safety)."""
+    if not path.is_dir():
+        raise SetupError(f"--l3-dir {path} is not a directory")
+    free = shutil.disk_usage(path).free
+    if free < 2 * need:
+        raise SetupError(f"--l3-dir {path}: {free / GB:.1f} GB free, the tier section needs {2 * need / GB:.1f} GB")
+    import bench_tiers
+    kind = bench_tiers.fs_type(path)
+    if kind in ("tmpfs", "ramfs"):
+        notes.append(f"--l3-dir {path} is on {kind}: 'L3 cold' reads are NOT disk reads")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -721,9 +786,12 @@ def main(argv: list[str] | None = None) -> int:
                         "dtype comes from manifest.json or the file name prefix (default: "
                         + ", ".join(map(str, DEFAULT_DATA)) + ")")
     p.add_argument("--files", type=int, default=64, metavar="N", help="files per dtype (default 64, ~190 MB)")
-    p.add_argument("--rounds", type=int, default=5, metavar="R", help="rounds of all variants (default 5)")
-    p.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_fs.json", help="JSON results")
-    p.add_argument("--plot", type=Path, metavar="PNG", help="bar chart (only if matplotlib is importable)")
+    p.add_argument("--rounds", type=int, default=5, metavar="R", help="rounds of each section (default 5)")
+    p.add_argument("--only", choices=SECTIONS, help="run one section (default: all of " + ", ".join(SECTIONS) + ")")
+    p.add_argument("--out", type=Path, help="JSON results (default bench-results/bench_fs.json, or "
+                                            "bench_fs-SECTION.json with --only)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="bar chart of the codecs section (only if matplotlib "
+                                                            "is importable)")
     p.add_argument("--io-size", type=int, default=0, metavar="BYTES",
                    help="bytes per write()/read() call; 0 = the whole file in one call (default)")
     p.add_argument("--kvfs", default=_default_kvfs(), help="kvfs executable (default: the repo's .venv); it must "
@@ -731,18 +799,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "none"],
                    help="pass --dtype to the kvfs mounts (default: not passed, i.e. kvfs decides: auto)")
     p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs for L2 and the baseline")
+    p.add_argument("--l3-dir", type=Path, default=Path("/var/tmp"),
+                   help="local disk for the tier section's L3 directories (default /var/tmp)")
+    p.add_argument("--tier-codec", choices=["zstd", "none"], default="zstd", help="codec of the tier section")
+    p.add_argument("--tier-small-l2", type=int, default=64, metavar="MIB",
+                   help="L2 capacity in MiB that makes the mover demote, in the tier section (default 64)")
     p.add_argument("--workdir", type=Path, default=None, help="where mountpoints, state dirs and logs go "
                                                               "(default: a fresh directory in /tmp)")
     p.add_argument("--keep-logs", action="store_true", help="keep the work directory with the daemon logs")
     args = p.parse_args(argv)
-    if args.files < 1 or args.rounds < 1:
-        p.error("--files and --rounds must be >= 1")
+    if args.files < 1 or args.rounds < 1 or args.tier_small_l2 < 1:
+        p.error("--files, --rounds and --tier-small-l2 must be >= 1")
+    sections = [args.only] if args.only else list(SECTIONS)
+    if args.out is None:
+        args.out = REPO / "bench-results" / (f"bench_fs-{args.only}.json" if args.only else "bench_fs.json")
 
     from rich.console import Console
     console = Console(width=None if sys.stdout.isatty() else 160)
 
     try:
         datasets, notes = load_datasets(args.data, args.files)
+        if "tiers" in sections:
+            check_l3_dir(args.l3_dir, sum(ds.total_bytes for ds in datasets.values()), notes)
     except SetupError as e:
         console.print(f"[bold red]setup error:[/bold red] {e}")
         return 2
@@ -756,22 +834,19 @@ def main(argv: list[str] | None = None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="kvfs-bench-", dir=args.workdir))
     shm_base = Path(tempfile.mkdtemp(prefix="kvfs-bench-", dir=args.shm))
+    l3_base = Path(tempfile.mkdtemp(prefix="kvfs-bench-", dir=args.l3_dir)) if "tiers" in sections else None
     live: list[Mount] = []
     records: list[dict] = []
+    tier_run = None
     load_before = os.getloadavg()
     git_head = _git_head()
     t_start = time.monotonic()
     try:
-        for rnd in range(args.rounds):
-            k = rnd % len(VARIANTS)
-            order = VARIANTS[k:] + VARIANTS[:k]
-            for v in order:
-                t0 = time.monotonic()
-                rec = run_variant(v, rnd, datasets, args, base, shm_base, live)
-                records.append(rec)
-                brief = "  ".join(f"{dt} w {derive(r)['write_MBps']:.0f} r {derive(r)['read_MBps']:.0f}"
-                                  for dt, r in rec["dtypes"].items())
-                console.print(f"round {rnd + 1}/{args.rounds} {v:5s}: {brief} MB/s  ({time.monotonic() - t0:.1f}s)")
+        if "codecs" in sections:
+            records = run_codec_rounds(datasets, args, base, shm_base, live, console)
+        if "tiers" in sections:
+            import bench_tiers
+            tier_run = bench_tiers.run_rounds(datasets, args, (base, shm_base, l3_base), live, console)
     except BenchFailure as e:
         console.print(f"[bold red]BENCHMARK FAILED:[/bold red] {e}")
         console.print(f"[red]daemon logs kept in {base}[/red]")
@@ -791,48 +866,50 @@ def main(argv: list[str] | None = None) -> int:
         for m in list(live):
             m.kill()
         shutil.rmtree(shm_base, ignore_errors=True)
+        if l3_base is not None:
+            shutil.rmtree(l3_base, ignore_errors=True)
         if not args.keep_logs:
             shutil.rmtree(base, ignore_errors=True)
 
-    agg = aggregate(records, list(datasets))
     doc = {
         "tool": "tools/bench_fs.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "git": git_head,
-        "config": {"files_per_dtype": args.files, "rounds": args.rounds, "variants": list(VARIANTS),
-                   "io_size": args.io_size or "whole file", "kvfs": args.kvfs, "kvfs_dtype": args.dtype or "(default)",
-                   "shm": str(args.shm),
+        "config": {"sections": sections, "files_per_dtype": args.files, "rounds": args.rounds,
+                   "variants": list(VARIANTS), "io_size": args.io_size or "whole file", "kvfs": args.kvfs,
+                   "kvfs_dtype": args.dtype or "(default)", "shm": str(args.shm),
                    "units": {"MB": MB, "GB": GB}, "duration_s": round(time.monotonic() - t_start, 1)},
         "data": {dt: {"bytes": ds.total_bytes, "files": len(ds.files), "distinct_files": ds.distinct_files,
                       "replicated": ds.replicated, "sources": ds.sources,
                       "file_names": sorted({f.source.name for f in ds.files})} for dt, ds in datasets.items()},
         "notes": notes + [n for r in records for n in r.get("notes", [])],
-        "caches_dropped": all(r.get("caches_dropped") for r in records),
-        "rounds": records,
-        "fields": {"cpu none/zstd": "total CPU s/GB of none / of zstd, per round then median: the zstd/none "
-                                    "throughput ratio if both were CPU-bound (insensitive to other load)",
-                   "encode_amplification": "frames encoded by the daemon / frames in the files written "
-                                           "(1.0 = every frame compressed once)",
-                   "transforms": "user.kvfs.transform xattr of the files written (per file)",
-                   "paired_median": "median over rounds of (numerator / denominator) of the same round"},
-        "results": agg,
     }
-    doc["targets"] = check_targets(agg)
-    doc["all_targets_pass"] = all(t["pass"] for t in doc["targets"])
-
-    print_report(doc, console)
+    if records:
+        doc.update(codec_doc(records, datasets))
+        print_report(doc, console)
+    if tier_run is not None:
+        doc["tiers"] = bench_tiers.result_doc(*tier_run, args, (base, shm_base, l3_base))
+        doc["notes"] += doc["tiers"]["notes"]
+        bench_tiers.print_report(doc["tiers"], console)
+    for n in doc["notes"][len(notes):]:
+        console.print(f"[yellow]note:[/yellow] {n}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     console.print(f"results: {args.out}")
     if args.plot:
-        if make_plot(doc, args.plot):
+        if not records:
+            console.print("[yellow]note:[/yellow] --plot draws the codecs section, which did not run; no plot")
+        elif make_plot(doc, args.plot):
             console.print(f"plot: {args.plot}")
         else:
             console.print("[yellow]note:[/yellow] matplotlib is not importable; no plot")
-    return 0 if doc["all_targets_pass"] else 1
+    return 0 if doc.get("all_targets_pass", True) else 1
 
 
 if __name__ == "__main__":
+    # bench_tiers imports this file as `bench_fs`: let it find this very module, not load a second copy
+    # (with its own BenchFailure class, which the handlers here would not catch)
+    sys.modules.setdefault("bench_fs", sys.modules[__name__])
     sys.exit(main())
