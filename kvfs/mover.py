@@ -61,6 +61,7 @@ class Mover:
         self._reads: dict[int, int] = {}  # ino → reads from a slower tier since it got there
         self._promotions: dict[int, None] = {}  # queued, in order
         self._draining: set[str] = set()
+        self._moving = 0  # moves past their checks, not yet finished
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
         self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
@@ -100,6 +101,7 @@ class Mover:
             "draining": sorted(self._draining),
             "backlog_bytes": backlog,
             "promotions_queued": len(self._promotions),
+            "moves_in_flight": self._moving,
         }
 
     # -- placement of new objects (Store.place) ------------------------------------------------------------
@@ -190,9 +192,11 @@ class Mover:
                     lock.acquire_nowait()
                 except trio.WouldBlock:
                     return False
+            self._moving += 1
             try:
                 return await self._move_locked(ino, dest)
             finally:
+                self._moving -= 1
                 lock.release()
         finally:
             self.locks.give_back(ino)

@@ -106,8 +106,9 @@ class Store:
         """Copy an object as it is (no recompression) into `dest`, which the caller has charged; durable where
         dest is persistent. On failure the partial copy is gone and the error raised."""
         source = self.tiers[ref.tier]
+        slower = max(source, dest, key=self.order.index)  # the copy waits on the slower tier's I/O
         try:
-            size = await self.io(dest.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
+            size = await self.io(slower.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
                                  dest.persistent)
             if size != ref.stored_bytes:
                 raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "

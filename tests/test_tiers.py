@@ -41,8 +41,8 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
 
 
 def mover_idle(m: KvfsMount) -> bool:
-    doc = m.stats()
-    return not doc["mover"]["draining"] and doc["mover"]["backlog_bytes"] == 0 and not doc["mover"]["promotions_queued"]
+    mover = m.stats()["mover"]
+    return not (mover["draining"] or mover["backlog_bytes"] or mover["promotions_queued"] or mover["moves_in_flight"])
 
 
 def read_uncached(path: Path) -> bytes:
@@ -140,8 +140,15 @@ def test_demotion_and_eviction_under_pressure(make_mount):
     assert len(present) == l2["files"] + l3["files"]
     assert len(present) < len(written)  # some were evicted ...
     assert {n for n in present if tier_of(m.path("ns", n)) == "L3"}  # ... and some live on L3
-    for name in present:
-        assert m.path("ns", name).read_bytes() == content(name, written[name]), name
+    verified = 0
+    for name in present:  # reads promote, which demotes, which may evict: a miss is fine, wrong bytes not
+        try:
+            assert m.path("ns", name).read_bytes() == content(name, written[name]), name
+            verified += 1
+        except FileNotFoundError:
+            pass
+    assert verified >= len(present) // 2
+    wait_for(lambda: mover_idle(m), what="promotions after the reads")
     assert all(len(t) == 1 for t in object_ids(m).values())
     m.stop()
     check_invariants(m.state / "index.sqlite", {"L2": m.l2, "L3": m.l3})
