@@ -91,6 +91,7 @@ def run(config: Config) -> int:
     index = Index(config.index_path)
     tiers = [DirectoryTier(t.name, t.path, t.capacity, t.persistent) for t in config.tiers]
     report = reconcile(index, tiers)
+    _warn_if_disk_smaller(tiers)
     counters = Counters(reconcile_orphans_removed=report.orphans_removed,
                         reconcile_rows_dropped=report.rows_dropped,
                         reconcile_objects_adopted=report.objects_adopted)
@@ -118,6 +119,17 @@ def run(config: Config) -> int:
         os.close(lock_fd)
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
     return 0
+
+
+def _warn_if_disk_smaller(tiers: list[DirectoryTier]) -> None:
+    """A capacity larger than the filesystem under a tier can hold turns into ENOSPC from the disk (failed
+    commits and moves) instead of orderly eviction: say so at start."""
+    for tier in tiers:
+        disk = os.statvfs(tier.root)
+        room = disk.f_bavail * disk.f_frsize + tier.used_bytes
+        if room < tier.capacity:
+            log.warning("%s capacity %d MiB exceeds what %s can hold (%d MiB): lower it to avoid ENOSPC from the "
+                        "disk", tier.name, tier.capacity >> 20, tier.root, room >> 20)
 
 
 async def _serve(ops: Operations, index: Index, mover: Mover) -> None:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0  # the mover checks watermarks at least this often
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
+WARN_EVERY_S = 60.0
 
 
 class Mover:
@@ -62,6 +63,7 @@ class Mover:
         self._promotions: dict[int, None] = {}  # queued, in order
         self._draining: set[str] = set()
         self._moving = 0  # moves past their checks, not yet finished
+        self._warned_at = -1e9
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
         self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
@@ -216,7 +218,11 @@ class Mover:
         except Exception as e:
             self.store.release(dest.name, ref.stored_bytes)
             self.counters.move_failures += 1
-            log.warning("moving inode %d from %s to %s failed: %s", ino, ref.tier, dest.name, e)
+            now = time.monotonic()
+            if now - self._warned_at > WARN_EVERY_S:  # a full disk fails every move: say it once a minute
+                self._warned_at = now
+                log.warning("moving inode %d from %s to %s failed: %s (%d failed moves so far)", ino, ref.tier,
+                            dest.name, e, self.counters.move_failures)
             return False
         except BaseException:
             self.store.release(dest.name, ref.stored_bytes)

@@ -314,27 +314,35 @@ def test_reconcile_after_moves_cut_short(make_mount):
 
 
 def test_kill9_during_moves_then_remount(make_mount):
-    """Kill the daemon while it demotes (a tiny L2 at start makes it demote everything), three times:
-    nothing lost, no object in two tiers, no orphans."""
-    m = start_tiered(make_mount(), "256M", "256M")
-    names = [f"f{i:02d}" for i in range(40)]
+    """Kill the daemon while it demotes (a tiny L2 at start makes it demote nearly everything), three times
+    at different moments: nothing lost, no object in two tiers, no orphans."""
+    m = start_tiered(make_mount(), "256M", "512M")
+    names = [f"f{i:02d}" for i in range(60)]
     for n in names:
-        m.path(n).write_bytes(content(n, MiB))
+        m.path(n).write_bytes(content(n, 2 * MiB))
     m.stop()
-    for attempt in range(3):
-        start_tiered(m, "4M", "256M")
-        wait_for(lambda: m.stats()["tiers"]["L2"]["demoted_files"] >= 2 + attempt, 30, "demotions to start")
+    cut_short = 0
+    for delay in (0.03, 0.08, 0.15):
+        start_tiered(m, "8M", "512M")
+        time.sleep(delay)  # the mover starts at once; draining 120 MB takes a few hundred ms here
         m.kill9()
-        start_tiered(m, "256M", "256M", "--promote", "never")  # room for everything again: no further moves
+        start_tiered(m, "256M", "512M", "--promote", "never")  # room for everything: no further moves
+        on_l2, on_l3 = len(m.objects("L2")), len(m.objects("L3"))
+        cut_short += on_l2 > 4 and on_l3 > 0  # killed in the middle of the drain
         assert sorted(n for n in os.listdir(m.mountpoint) if n != ".kvfs") == names
         for n in names:
-            assert read_uncached(m.path(n)) == content(n, MiB), n
+            assert read_uncached(m.path(n)) == content(n, 2 * MiB), n
         assert all(len(t) == 1 for t in object_ids(m).values())
         m.check_accounting()
         m.stop()
         check_invariants(m.state / "index.sqlite", {"L2": m.l2, "L3": m.l3})
-    # the last run demoted at least some: both tiers in use
-    assert m.objects("L3") and m.objects("L2")
+        # everything back to L2 (reads promote) for the next attempt
+        start_tiered(m, "256M", "512M", "--promote", "always")
+        for n in names:
+            read_uncached(m.path(n))
+        wait_for(lambda: len(m.objects("L2")) == len(names) and mover_idle(m), what="promotions")
+        m.stop()
+    assert cut_short >= 1, "no kill landed in the middle of a drain"
 
 
 # -- inspection --------------------------------------------------------------------------------------------
