@@ -30,7 +30,9 @@ def main() -> None:
               help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G)")
 @click.option("--promote", metavar="POLICY",
               help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
-@click.option("--codec", type=click.Choice(["zstd", "none"]), help="codec for new frames (default zstd)")
+@click.option("--codec", type=click.Choice(["zstd", "deflate", "qat", "none"]),
+              help="codec for new frames (default zstd); qat = deflate on Intel QAT via QATzip, deflate = the same "
+                   "format through ISA-L")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "none"]),
               help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -49,6 +51,13 @@ def mount(mountpoint, l2, l3, promote, codec, dtype, config_file, state_dir, all
                            debug=debug, log_file=log_file)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+    if cfg.codec == "qat":
+        from .codecs import qat
+
+        try:
+            qat.load()
+        except qat.QatUnavailable as e:
+            raise click.UsageError(str(e)) from None
     if not cfg.mountpoint.is_dir():
         raise click.UsageError(f"mountpoint {cfg.mountpoint} is not a directory")
     if os.path.ismount(cfg.mountpoint):
@@ -142,7 +151,8 @@ def stat_cmd(mountpoint, as_json):
     tiers.caption = (f"mover: promotion {mover['promotion']}, "
                      f"draining {', '.join(mover['draining']) or 'nothing'}, backlog {_human(mover['backlog_bytes'])}, "
                      f"{mover['promotions_queued']} promotions queued, {doc['writer_waits']} writer waits "
-                     f"({doc['writer_wait_s']:.1f} s), {doc['move_failures']} failed moves")
+                     f"({doc['writer_wait_s']:.1f} s), {doc['move_failures']} failed moves"
+                     + (f"; QAT: {doc['qat']['mode']}" if doc.get("qat", {}).get("mode") != "not loaded" else ""))
     counters = Table(show_header=False, title="counters")
     for key in ("bytes_written", "bytes_read", "commits", "commit_failures", "checksum_failures", "errors",
                 "open_files", "dirty_bytes", "compression_ratio"):

@@ -14,7 +14,7 @@ DEFAULT_L3_CAPACITY = 16 << 30  # local disk: an upper bound, nothing is preallo
 DEFAULT_HIGH_WATERMARK = 0.90  # the mover starts draining a tier above this fraction of its capacity …
 DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
-CODECS = ("zstd", "none")
+CODECS = ("zstd", "deflate", "qat", "none")
 DTYPES = ("auto", "bf16", "fp16", "none")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B?)\s*$", re.IGNORECASE)

@@ -113,6 +113,7 @@ class Operations(pyfuse3.Operations):
         self.dirty_budget = DirtyBudget(config.max_dirty)
         self._dropping: dict[int, trio.Event] = {}  # corrupt inodes being dropped
         self.started = time.monotonic()
+        self.qat = None  # the QATzip codec when loaded (its mode is shown in the stats)
 
     def open_files_get(self, ino: int) -> OpenFile | None:
         return self.open_files.get(ino)
@@ -677,7 +678,8 @@ class Operations(pyfuse3.Operations):
         return stats_mod.render(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
                                 config=self.config, started=self.started, open_files=len(self.open_files),
                                 dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
-                                mover=self.mover.status())
+                                mover=self.mover.status(),
+                                qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"})
 
     async def commit_all(self) -> None:
         """At shutdown: commit files still open with unsaved writes (best effort, logged)."""

@@ -44,7 +44,7 @@ class Counters:
 
 
 def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]], config, started: float,
-           open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict) -> bytes:
+           open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict, qat: dict) -> bytes:
     tier_docs = {}
     logical_all = stored_all = 0
     for t in tiers:
@@ -77,6 +77,7 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
         "open_files": open_files,
         "dirty_bytes": dirty_bytes,
         "mover": mover,
+        "qat": qat,
         **{k: v for k, v in dataclasses.asdict(counters).items() if k != "tiers"},
     }
     return (json.dumps(doc, indent=2) + "\n").encode()

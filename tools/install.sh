@@ -20,4 +20,6 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# Intel QATzip for codec qat (Debian 13's packages, unpacked into .venv/opt/qatzip); kvfs works without it
+./tools/install_qatzip.sh || echo "install: QATzip not installed; codec qat unavailable (deflate writes the same format)" >&2
 echo "kvfs installed: $(.venv/bin/kvfs --version)"

@@ -1,28 +1,20 @@
 """Codecs behind one small interface and a registry of on-disk ids.
 
-Ids are part of the object format (docs/format.md) and never change meaning. Later codecs
-(deflate via ISA-L, qat via QATzip, an entropy coder) register new ids here.
+Ids are part of the object format (docs/format.md) and never change meaning. `deflate` (2) and `qat` (3)
+share one bitstream (codecs/deflate.py): the id records which encoder wrote a frame, and either decodes it.
+Without libqatzip, frames of id 3 decode through ISA-L; `qat.install` registers the QATzip codec at mount.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
 import zstandard
 
+from .base import Codec, CodecError
+from .deflate import DeflateCodec, decompress_members
 
-class Codec(Protocol):
-    id: int
-    name: str
-
-    def compress(self, data: bytes | memoryview) -> bytes: ...
-
-    def decompress(self, data: bytes | memoryview, raw_len: int) -> bytes: ...
-
-
-class CodecError(Exception):
-    """Stored bytes that the codec rejects (caught as corruption by the caller)."""
+__all__ = ["Codec", "CodecError", "REGISTRY", "by_id", "by_name", "register"]
 
 
 class NoneCodec:
@@ -69,9 +61,28 @@ class ZstdCodec:
         return out
 
 
-# id → codec; ids 2 (deflate), 3 (qat), 4 (entropy) are reserved for later issues.
-REGISTRY: dict[int, Codec] = {c.id: c for c in (NoneCodec(), ZstdCodec())}
+class QatFormatDecoder:
+    """Frames written by QAT (id 3) where libqatzip is not loaded: same format, decoded by ISA-L."""
+
+    id = 3
+    name = "qat"
+
+    def compress(self, data):
+        raise CodecError("codec qat needs libqatzip (tools/install_qatzip.sh); it was not loaded")
+
+    def decompress(self, data, raw_len):
+        return decompress_members(data, raw_len)
+
+
+# id → codec; id 4 (entropy) is reserved for a later issue.
+REGISTRY: dict[int, Codec] = {c.id: c for c in (NoneCodec(), ZstdCodec(), DeflateCodec(), QatFormatDecoder())}
 BY_NAME: dict[str, Codec] = {c.name: c for c in REGISTRY.values()}
+
+
+def register(codec: Codec) -> None:
+    """Replace the implementation behind an id (e.g. QATzip for id 3 once the library is loaded)."""
+    REGISTRY[codec.id] = codec
+    BY_NAME[codec.name] = codec
 
 
 def by_id(codec_id: int) -> Codec:
