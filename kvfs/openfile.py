@@ -114,7 +114,7 @@ class EncodingPolicy:
             with self._choosing:
                 if self.transform is None:
                     self.transform = self._choose_transform(raw)
-        return fmt.encode_frame(raw, self.codec, self.transform)
+        return fmt.encode_frame(raw, self.codec.encoder(), self.transform)
 
     def _choose_transform(self, raw) -> int:
         """Byte planes when they lower the order-0 entropy of a sample (what the codec's entropy stage sees).

@@ -27,6 +27,9 @@ class NoneCodec:
     def decompress(self, data, raw_len):
         return bytes(data)
 
+    def encoder(self):
+        return self
+
 
 class ZstdCodec:
     """zstd tuned for KV byte planes: the fast strategy with a small hash table and 7-byte minimum
@@ -53,6 +56,9 @@ class ZstdCodec:
     def compress(self, data):
         return self._ctx().c.compress(data)
 
+    def encoder(self):
+        return self
+
     def decompress(self, data, raw_len):
         try:
             out = self._ctx().d.decompress(data, max_output_size=raw_len)
@@ -69,6 +75,9 @@ class QatFormatDecoder:
 
     def compress(self, data):
         raise CodecError("codec qat needs libqatzip (tools/install_qatzip.sh); it was not loaded")
+
+    def encoder(self):
+        return self
 
     def decompress(self, data, raw_len):
         return decompress_members(data, raw_len)

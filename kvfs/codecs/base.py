@@ -13,6 +13,10 @@ class Codec(Protocol):
 
     def decompress(self, data: bytes | memoryview, raw_len: int) -> bytes: ...
 
+    def encoder(self) -> "Codec":
+        """The codec that writes new frames for this one (itself, except qat's fallback to ISA-L)."""
+        ...
+
 
 class CodecError(Exception):
     """Stored bytes that the codec rejects (caught as corruption by the caller)."""

@@ -61,5 +61,8 @@ class DeflateCodec:
     def compress(self, data):
         return compress_members(data)
 
+    def encoder(self):
+        return self
+
     def decompress(self, data, raw_len):
         return decompress_members(data, raw_len)

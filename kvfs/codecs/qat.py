@@ -38,6 +38,11 @@ DATA_FMT_GZIP_EXT = 2  # gzip members with the 'QZ' extra field: codecs/deflate.
 HUFFMAN_DYNAMIC = 0
 HW_BUFF_SZ = 64 << 10  # QAT request size: members of 64 KiB of input
 LEVEL = 1
+# Without a device, QATzip 1.3.1 re-runs qzInit on every request, and each run creates a pthread key
+# (async_req_key) before it finds no device, never deleting it: one leaked key per request, and a process
+# has PTHREAD_KEYS_MAX = 1024. So in software mode QATzip gets this many calls; after that the same format
+# is written by ISA-L (frames then say codec deflate). Measured: ~1020 requests exhaust a process.
+SOFTWARE_CALL_BUDGET = 256
 
 
 class QatUnavailable(RuntimeError):
@@ -139,8 +144,10 @@ class QatCodec:
         self.hardware = hardware
         self.level = level
         self.sessions = 0
+        self.software_calls = 0  # QATzip calls made without a device (each leaks a pthread key)
         self._local = threading.local()
         self._count_lock = threading.Lock()
+        self._isal = DeflateCodec()
 
     @property
     def mode(self) -> str:
@@ -148,13 +155,34 @@ class QatCodec:
 
     def status(self) -> dict:
         return {"library": self.library.path, "mode": self.mode, "sessions": self.sessions,
-                "level": self.level, "request_bytes": HW_BUFF_SZ}
+                "level": self.level, "request_bytes": HW_BUFF_SZ, "encoder": self.encoder().name,
+                "software_calls": self.software_calls,
+                "software_call_budget": None if self.hardware else SOFTWARE_CALL_BUDGET}
+
+    def encoder(self):
+        """Who writes new frames: QATzip, or ISA-L once QATzip's software budget is spent (same format)."""
+        if self.hardware or self.software_calls < SOFTWARE_CALL_BUDGET:
+            return self
+        return self._isal
+
+    def _spend(self, calls: int) -> None:
+        """Count QATzip calls in software mode; warn once when the budget runs out."""
+        if self.hardware:
+            return
+        with self._count_lock:
+            before = self.software_calls
+            self.software_calls += calls
+        if before < SOFTWARE_CALL_BUDGET <= self.software_calls:
+            log.warning("codec qat: QATzip's software fallback leaks a pthread key per request (QATzip 1.3.1, "
+                        "no QAT device); after %d requests new frames are written by ISA-L in the same format "
+                        "(codec deflate)", SOFTWARE_CALL_BUDGET)
 
     def _session(self) -> Session:
         sess = getattr(self._local, "session", None)
         if sess is None:
             sess = Session()
             lib = self.library.lib
+            self._spend(2)  # qzInit, and qzSetupSessionDeflate's own
             rc = lib.qzInit(ctypes.byref(sess), SW_BACKUP_ALLOWED)
             if rc not in (QZ_OK, QZ_DUPLICATE) and rc < 0:
                 raise CodecError(f"qzInit failed: {rc}")
@@ -181,6 +209,7 @@ class QatCodec:
     def compress(self, data) -> bytes:
         src = data if isinstance(data, bytes) else bytes(data)
         sess = self._session()
+        self._spend(1)
         lib = self.library.lib
         cap = lib.qzMaxCompressedLength(len(src), ctypes.byref(sess))
         out = self._buffer(cap)
@@ -199,6 +228,7 @@ class QatCodec:
     def decompress_with_qatzip(self, data, raw_len: int) -> bytes:
         src = data if isinstance(data, bytes) else bytes(data)
         sess = self._session()
+        self._spend(1)
         out = self._buffer(raw_len)
         src_len, dest_len = ctypes.c_uint(len(src)), ctypes.c_uint(raw_len)
         rc = self.library.lib.qzDecompress(ctypes.byref(sess), src, ctypes.byref(src_len), out,
