@@ -208,7 +208,9 @@ class Mover:
         if row is None or not row["obj_gen"] or row["obj_tier"] == dest.name or row["obj_tier"] not in self.store.tiers:
             return False
         ref = ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
-        if ref.stored_bytes > dest.capacity or not await self._reserve(dest, ref.stored_bytes):
+        if ref.stored_bytes > dest.capacity:
+            return False  # can never be there (a file bigger than L2 stays on L3)
+        if not await self._reserve(dest, ref.stored_bytes):
             self.counters.move_failures += 1
             log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, ref.stored_bytes)
             return False
