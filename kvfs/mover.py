@@ -35,7 +35,7 @@ from .config import PromotionPolicy, TierConfig
 from .index import Index
 from .locks import InodeLocks
 from .stats import Counters
-from .store import ObjectRef, Store
+from .store import ObjectRef, Store, credit_for
 from .tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,7 @@ class Mover:
         for tier in self.store.candidates(durable):
             if size > tier.capacity:
                 continue  # can never fit: straight to the next tier
-            credit = replacing.stored_bytes if replacing is not None and replacing.tier == tier.name else 0
-            if await self._reserve(tier, size, credit, waiting_writer=True):
+            if await self._reserve(tier, size, credit_for(tier, replacing), waiting_writer=True):
                 return tier
         raise OSError(errno.ENOSPC, f"no tier has room for an object of {size} bytes")
 

@@ -78,7 +78,7 @@ class Store:
     async def place_now(self, size: int, replacing: ObjectRef | None, durable: bool) -> Tier:
         """Charge the first tier with room for a new object of `size` bytes; ENOSPC if none has."""
         for tier in self.candidates(durable):
-            if self.fits(tier, size, _credit(tier, replacing)):
+            if self.fits(tier, size, credit_for(tier, replacing)):
                 self.charge(tier, size)
                 return tier
         raise OSError(errno.ENOSPC, "no tier has room for the object")
@@ -160,7 +160,7 @@ class Store:
         return await self.cpu(fmt.decode_frame, entry, payload)
 
 
-def _credit(tier: Tier, replacing: ObjectRef | None) -> int:
+def credit_for(tier: Tier, replacing: ObjectRef | None) -> int:
     """Room a commit may count on: the object it replaces in that tier is deleted right after."""
     return replacing.stored_bytes if replacing is not None and replacing.tier == tier.name else 0
 

@@ -127,3 +127,17 @@ def test_mount_behaves_like_the_model(kvfs: KvfsMount):
         max_examples=int(os.environ.get("KVFS_MODEL_EXAMPLES", "200")), stateful_step_count=50, deadline=None,
         suppress_health_check=list(HealthCheck)))
     assert kvfs.alive()
+
+
+def test_model_holds_while_files_move_between_tiers(make_mount):
+    """The same model with a 3 MiB L2: nearly every commit makes the mover demote, reads promote back, fsync
+    moves to L3 — while handles stay open. L3 has room for everything, so nothing is evicted."""
+    m = make_mount()
+    m.start("--l3", f"{m.root / 'model-l3'}:256M", "--promote", "always", l2_size="3M")
+    MountModel.mount = m
+    run_state_machine_as_test(MountModel, settings=settings(
+        max_examples=int(os.environ.get("KVFS_MODEL_EXAMPLES", "200")), stateful_step_count=50,
+        deadline=None, suppress_health_check=list(HealthCheck)))
+    stats = m.stats()
+    assert m.alive() and stats["errors"] == 0 and stats["tiers"]["L3"]["evicted_files"] == 0
+    assert stats["tiers"]["L2"]["demoted_files"] > 0 and stats["tiers"]["L2"]["promoted_files"] > 0, stats
