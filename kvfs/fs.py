@@ -285,8 +285,10 @@ class Operations(pyfuse3.Operations):
         state.handles -= 1
         if state.handles > 0:
             return
-        if state.modified and not state.corrupt:
-            try:  # data written after the last flush (e.g. through mmap): the kernel discards our answer
+        if state.changed_since_failure and not state.corrupt:
+            # data written after the last flush (e.g. through mmap): the kernel discards our answer. Data whose
+            # commit already failed (close() returned the error) is not committed behind the caller's back.
+            try:
                 await self._commit(state, durable=False)
             except Exception as e:
                 log.warning("inode %d: unsaved data discarded at release: %s", state.ino, e)

@@ -160,6 +160,8 @@ class OpenFile:
         self._layout: tuple[ObjectRef, Layout] | None = None
         self.dirty: dict[int, DirtyFrame] = {}
         self.modified = False
+        self.changes = 0  # writes and truncates so far
+        self.failed_at: int | None = None  # `changes` when a commit last failed (None: none failed since)
         self.mtime_ns: int | None = None
         self.lock = lock  # the inode's lock, shared with the mover
         self.cache: OrderedDict[tuple[int, int], bytes | bytearray] = OrderedDict()
@@ -317,6 +319,11 @@ class OpenFile:
             del self.dirty[i]
             self.budget.release(self.frame_size)
 
+    @property
+    def changed_since_failure(self) -> bool:
+        """Unsaved data that no failed commit has reported yet (e.g. mmap pages written back at release)."""
+        return self.modified and self.failed_at != self.changes
+
     def discard(self) -> None:
         """Forget unsaved data (the file is gone, or its commit failed and its last handle closed)."""
         self._drop_dirty(self.dirty)
@@ -344,6 +351,7 @@ class OpenFile:
                 pos += n
             self.size = max(self.size, end)
             self.modified = True
+            self.changes += 1
             self.mtime_ns = time.time_ns()
         return len(data)
 
@@ -366,6 +374,7 @@ class OpenFile:
                 self.clean_limit = min(self.clean_limit, new_size)
             self.size = new_size
             self.modified = True
+            self.changes += 1
             self.mtime_ns = time.time_ns()
 
     def _encode_early(self, i: int, df: DirtyFrame) -> None:
@@ -400,6 +409,7 @@ class OpenFile:
                 await self._commit_locked(durable)
             except BaseException:
                 self.counters.commit_failures += 1
+                self.failed_at = self.changes
                 raise
             self.counters.commits += 1
             return True
