@@ -220,7 +220,7 @@ class Operations(pyfuse3.Operations):
             return
         self.index.delete_inode(ino)
         if row["obj_gen"]:
-            await self.store.delete(ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"]))
+            await self.store.delete(ObjectRef.of_row(row))
 
     @_guard
     async def getattr(self, inode, ctx=None):

@@ -3,6 +3,9 @@ move never interleaves with a commit of the same file. Locks exist only while so
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import trio
 
 
@@ -23,6 +26,26 @@ class InodeLocks:
             self._locks[ino] = (lock, users - 1)
         else:
             del self._locks[ino]
+
+    @asynccontextmanager
+    async def holding(self, ino: int, wait: bool) -> AsyncIterator[bool]:
+        """Hold the inode's lock for the block; with wait=False yield False at once if it is busy."""
+        lock = self.take(ino)
+        try:
+            if wait:
+                await lock.acquire()
+            else:
+                try:
+                    lock.acquire_nowait()
+                except trio.WouldBlock:
+                    yield False
+                    return
+            try:
+                yield True
+            finally:
+                lock.release()
+        finally:
+            self.give_back(ino)
 
     def __len__(self) -> int:
         return len(self._locks)

@@ -184,29 +184,20 @@ class Mover:
     async def move(self, ino: int, dest: Tier, *, wait: bool = False) -> bool:
         """Move a file's object to `dest` by the move protocol. With wait=False a file whose lock is busy is
         skipped. Returns True if the object is now in `dest` because of this call."""
-        lock = self.locks.take(ino)
-        try:
-            if wait:
-                await lock.acquire()
-            else:
-                try:
-                    lock.acquire_nowait()
-                except trio.WouldBlock:
-                    return False
+        async with self.locks.holding(ino, wait) as held:
+            if not held:
+                return False
             self._moving += 1
             try:
                 return await self._move_locked(ino, dest)
             finally:
                 self._moving -= 1
-                lock.release()
-        finally:
-            self.locks.give_back(ino)
 
     async def _move_locked(self, ino: int, dest: Tier) -> bool:
         row = self.index.get(ino)
         if row is None or not row["obj_gen"] or row["obj_tier"] == dest.name or row["obj_tier"] not in self.store.tiers:
             return False
-        ref = ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
+        ref = ObjectRef.of_row(row)
         if ref.stored_bytes > dest.capacity:
             return False  # can never be there (a file bigger than L2 stays on L3)
         if not await self._reserve(dest, ref.stored_bytes):
@@ -254,29 +245,19 @@ class Mover:
         """Drop a file from the cache: its names go, then its object. Never an open or busy file."""
         if self.open_file(ino) is not None:
             return False
-        lock = self.locks.take(ino)
-        try:
-            try:
-                lock.acquire_nowait()
-            except trio.WouldBlock:
+        async with self.locks.holding(ino, wait=False) as held:
+            row = self.index.get(ino) if held else None
+            if row is None or not row["obj_gen"] or row["obj_tier"] != tier.name or self.open_file(ino):
                 return False
-            try:
-                row = self.index.get(ino)
-                if row is None or not row["obj_gen"] or row["obj_tier"] != tier.name or self.open_file(ino):
-                    return False
-                ref = ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
-                names = self.drop_names(ino)  # the index first: a crash leaves an orphan object, not a row
-                c = self.counters.tier(tier.name)
-                c.evicted_files += 1
-                c.evicted_bytes += ref.stored_bytes
-                self._reads.pop(ino, None)
-                await self.store.delete(ref)
-            finally:
-                lock.release()
-            await self.forget_names(ino, names)
-            return True
-        finally:
-            self.locks.give_back(ino)
+            ref = ObjectRef.of_row(row)
+            names = self.drop_names(ino)  # the index first: a crash leaves an orphan object, not a row
+            c = self.counters.tier(tier.name)
+            c.evicted_files += 1
+            c.evicted_bytes += ref.stored_bytes
+            self._reads.pop(ino, None)
+            await self.store.delete(ref)
+        await self.forget_names(ino, names)  # after the lock: the kernel may take its time
+        return True
 
     # -- reads and promotion -----------------------------------------------------------------------------
     def note_read(self, ino: int, tier_name: str) -> None:
@@ -311,7 +292,6 @@ class Mover:
         row = self.index.get(ino)
         if row is not None and row["obj_gen"] and not self.store.tiers[row["obj_tier"]].persistent:
             raise OSError(errno.ENOSPC, f"no room to make inode {ino} durable in {persistent[0].name}")
-
 
 
 async def _forget_nothing(ino: int, names: list[tuple[int, bytes]]) -> None:

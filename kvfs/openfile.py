@@ -154,8 +154,7 @@ class OpenFile:
         self.counters = counters
         self.size: int = row["size"]
         self.clean_limit = self.size
-        self.ref: ObjectRef | None = (ObjectRef(ino, row["obj_gen"], row["obj_tier"], row["stored_bytes"])
-                                      if row["obj_gen"] else None)
+        self.ref: ObjectRef | None = ObjectRef.of_row(row)
         self.next_gen = row["obj_gen"] + 1
         self._layout: tuple[ObjectRef, Layout] | None = None
         self.dirty: dict[int, DirtyFrame] = {}

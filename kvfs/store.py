@@ -36,6 +36,11 @@ class ObjectRef:
     def object_id(self) -> str:
         return object_id(self.ino, self.gen)
 
+    @classmethod
+    def of_row(cls, row) -> "ObjectRef | None":
+        """The object an index row names, or None (obj_gen 0: no object)."""
+        return cls(row["id"], row["obj_gen"], row["obj_tier"], row["stored_bytes"]) if row["obj_gen"] else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
