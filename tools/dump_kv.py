@@ -307,6 +307,8 @@ def main(argv=None) -> int:
                     help=f"converted HF model directory (created on first use; default {DEFAULT_MODEL_DIR})")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1; results can differ in the last bit across counts)")
+    ap.add_argument("--convert-only", action="store_true",
+                    help="only convert the GGUF model into --model-dir (if not there yet) and exit")
     ap.add_argument("--generate-check", action="store_true",
                     help="only greedy-generate 20 tokens for a short chat prompt, print them and exit")
     args = ap.parse_args(argv)
@@ -314,6 +316,10 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    if args.convert_only:
+        if not (args.model_dir / "config.json").exists():
+            convert_model(args.model_dir)
+        return 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t_start = time.time()

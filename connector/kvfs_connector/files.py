@@ -1,0 +1,77 @@
+"""File operations on chunk files: exists, read whole, write atomically (temp name + rename) with xattrs."""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+
+XA_DTYPE = "user.kvfs.dtype"
+XA_SHAPE = "user.kvfs.shape"
+READ_CHUNK = 8 << 20
+
+
+def exists(path: str) -> bool:
+    """True if the chunk file is there. ENOENT is False; other errors (dead mount) propagate."""
+    try:
+        os.stat(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def read_whole(path: str, expected_size: int | None = None) -> bytearray:
+    """Read a file in large requests (FUSE splits them into max_read pieces that kvfs serves in parallel)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if expected_size is not None and size != expected_size:
+            raise OSError(errno.EBADMSG, f"chunk is {size} bytes, expected {expected_size}", path)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:done + READ_CHUNK]])
+            if n == 0:
+                raise OSError(errno.EBADMSG, "file shrank while reading", path)
+            done += n
+        return buf
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, parts: list, xattrs: dict[str, bytes]) -> bool:
+    """Write `parts` under a temporary name and rename it into place; False if the file exists already.
+
+    Readers see either no file or the whole file. The xattrs are set before the data is written: kvfs reads
+    user.kvfs.dtype and user.kvfs.shape to choose how to encode the file's frames."""
+    if exists(path):
+        return False
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for name, value in xattrs.items():
+            try:
+                os.setxattr(fd, name, value)
+            except OSError as e:  # a plain directory (no user xattrs, or no kvfs): the data is what matters
+                if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
+                    raise
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, path)
+        return True
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

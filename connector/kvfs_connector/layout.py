@@ -1,0 +1,165 @@
+"""Moving a chunk between vLLM's paged KV cache and the chunk file's payload order.
+
+The payload puts like bytes together: per layer, K then V, each as [heads][channels][tokens] (channel-major:
+one channel of one head over all tokens of the chunk is contiguous). Neighbouring values then share exponents,
+which is what kvfs's byte planes and entropy stages feed on.
+
+Layouts the connector knows:
+- `cpu-vec`: vLLM's CPU attention backend with the portable kernels (ISA vec/vec16/neon/...): one tensor per
+  layer `[num_blocks, kv_heads, block_size, 2*head_size]`; inside each (block, head) K transposed as
+  `[head_size][block_size]`, then V as `[block_size][head_size]` (verified bit-exact against the model's KV).
+  Reorganised to channel-major K and V.
+- `blocks`: any other per-layer tensor whose first dimension is the block (GPU backends, AMX packing): the
+  block's bytes are stored as they are, in layer and block order. Bit-exact, just not reorganised.
+The layout name and geometry go into the namespace and every file's descriptor, so chunks of different
+layouts never mix. Everything here runs on the worker's forward thread and only copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    chunk_size: int  # tokens per chunk file, a multiple of block_size
+    dtype: torch.dtype
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+
+class ChunkLayout:
+    """Gathers a chunk's blocks out of the paged cache into payload order, and scatters them back."""
+
+    name = "abstract"
+
+    def __init__(self, geometry: Geometry, block_shape: tuple[int, ...]) -> None:
+        self.g = geometry
+        self.block_shape = tuple(block_shape)  # per-layer tensor shape without the block dimension
+
+    @property
+    def block_elements(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    @property
+    def payload_elements(self) -> int:
+        return self.g.num_layers * self.g.blocks_per_chunk * self.block_elements
+
+    def descriptor(self) -> dict:
+        g = self.g
+        return {"layout": self.name, "dtype": str(g.dtype).removeprefix("torch."), "layers": g.num_layers,
+                "kv_heads": g.num_kv_heads, "head_size": g.head_size, "block_size": g.block_size,
+                "chunk_size": g.chunk_size, "block_shape": list(self.block_shape), "order": self.order}
+
+    order = ""
+
+    def shape_hint(self, payload_offset: int) -> str:
+        raise NotImplementedError
+
+    def gather(self, kv_layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+        """A new contiguous tensor with the chunk's payload (a copy: vLLM may reuse the blocks at once)."""
+        raise NotImplementedError
+
+    def scatter_layer_range(self, kv_layer: torch.Tensor, layer: int, payload: torch.Tensor,
+                            block_ids: list[int], first: int, end: int) -> None:
+        """Write blocks `first..end` of the chunk (payload order) of one layer into `block_ids[first:end]`."""
+        raise NotImplementedError
+
+    def payload_view(self, buf) -> torch.Tensor:
+        t = torch.frombuffer(buf, dtype=self.g.dtype, count=self.payload_elements)
+        return t
+
+
+class CpuVecLayout(ChunkLayout):
+    name = "cpu-vec"
+    order = "layer,kv,head,channel,token"
+
+    def __init__(self, geometry: Geometry, block_shape: tuple[int, ...]) -> None:
+        super().__init__(geometry, block_shape)
+        g = geometry
+        if self.block_shape != (g.num_kv_heads, g.block_size, 2 * g.head_size):
+            raise ValueError(f"unexpected CPU KV block shape {self.block_shape}")
+
+    def shape_hint(self, payload_offset: int) -> str:
+        g = self.g
+        return (f"offset={payload_offset} layer={g.num_layers} kv=2 head={g.num_kv_heads} "
+                f"channel={g.head_size} token={g.chunk_size}")
+
+    def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H, bs, 2D] blocks → K view [n, H, D, bs] and V view [n, H, bs, D] (no copy)."""
+        g = self.g
+        n = blocks.shape[0]
+        flat = blocks.view(n, g.num_kv_heads, 2 * g.block_size * g.head_size)
+        half = g.block_size * g.head_size
+        k = flat[:, :, :half].view(n, g.num_kv_heads, g.head_size, g.block_size)
+        v = flat[:, :, half:].view(n, g.num_kv_heads, g.block_size, g.head_size)
+        return k, v
+
+    def _payload(self, payload: torch.Tensor) -> torch.Tensor:
+        g = self.g
+        return payload.view(g.num_layers, 2, g.num_kv_heads, g.head_size, g.blocks_per_chunk, g.block_size)
+
+    def gather(self, kv_layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+        out = torch.empty(self.payload_elements, dtype=self.g.dtype)
+        p = self._payload(out)
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        for layer, kv in enumerate(kv_layers):
+            k, v = self._split(kv.index_select(0, idx))
+            p[layer, 0].copy_(k.permute(1, 2, 0, 3))  # [H, D, n, bs]
+            p[layer, 1].copy_(v.permute(1, 3, 0, 2))
+        return out
+
+    def scatter_layer_range(self, kv_layer: torch.Tensor, layer: int, payload: torch.Tensor,
+                            block_ids: list[int], first: int, end: int) -> None:
+        g = self.g
+        p = self._payload(payload)
+        blocks = torch.empty((end - first, *self.block_shape), dtype=g.dtype)
+        k, v = self._split(blocks)
+        k.copy_(p[layer, 0, :, :, first:end].permute(2, 0, 1, 3))
+        v.copy_(p[layer, 1, :, :, first:end].permute(2, 0, 3, 1))
+        kv_layer.index_copy_(0, torch.tensor(block_ids[first:end], dtype=torch.long), blocks)
+
+
+class BlockBytesLayout(ChunkLayout):
+    name = "blocks"
+    order = "layer,block,<engine block layout>"
+
+    def shape_hint(self, payload_offset: int) -> str:
+        return f"offset={payload_offset} layer={self.g.num_layers} block={self.g.blocks_per_chunk} " \
+               f"element={self.block_elements}"
+
+    def _payload(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload.view(self.g.num_layers, self.g.blocks_per_chunk, *self.block_shape)
+
+    def gather(self, kv_layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+        out = torch.empty(self.payload_elements, dtype=self.g.dtype)
+        p = self._payload(out)
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        for layer, kv in enumerate(kv_layers):
+            p[layer].copy_(kv.index_select(0, idx))
+        return out
+
+    def scatter_layer_range(self, kv_layer: torch.Tensor, layer: int, payload: torch.Tensor,
+                            block_ids: list[int], first: int, end: int) -> None:
+        p = self._payload(payload)
+        kv_layer.index_copy_(0, torch.tensor(block_ids[first:end], dtype=torch.long), p[layer, first:end])
+
+
+def choose(geometry: Geometry, block_shape: tuple[int, ...], backend: str) -> ChunkLayout:
+    """The layout for this engine: reorganised where the byte order is known, block bytes otherwise."""
+    if backend == "cpu-vec":
+        return CpuVecLayout(geometry, block_shape)
+    return BlockBytesLayout(geometry, block_shape)

@@ -1,0 +1,57 @@
+"""Where a chunk lives: `<mount>/<namespace>/<ab>/<hash>.kv`.
+
+namespace = a readable model name + `-` + 12 hex digits of sha256 over everything that changes the bytes of a
+chunk or their meaning (model, dtype, geometry, block and chunk size, layout, parallel ranks and sizes, hash
+algorithm and the identity of vLLM's hash seed, lossy mode). Engines that agree on all of it share files; any
+difference gives a separate directory, never a mix. hash = vLLM's chained block hash of the chunk's last
+block, so a file name names the whole prefix up to the end of its chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+
+NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceKey:
+    model: str  # the name or path the engine was started with
+    dtype: str  # KV cache element type, e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    chunk_size: int
+    layout: str  # byte order the chunk payload was produced from (layout.py)
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    hash_algo: str
+    hash_seed_id: str  # digest of vLLM's NONE_HASH: chained hashes are only comparable under the same seed
+    lossy: str = "lossless"
+
+    def digest(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def readable_model(self) -> str:
+        name = os.path.basename(self.model.rstrip("/")) or self.model
+        return NAME_SAFE.sub("_", name).strip("._-")[:64] or "model"
+
+    def namespace(self) -> str:
+        return f"{self.readable_model()}-{self.digest()}"
+
+
+def chunk_relpath(namespace: str, block_hash: bytes) -> str:
+    h = block_hash.hex()
+    return f"{namespace}/{h[:2]}/{h}.kv"
+
+
+def seed_identity(none_hash: bytes) -> str:
+    return hashlib.sha256(bytes(none_hash)).hexdigest()[:16]

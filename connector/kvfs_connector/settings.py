@@ -1,0 +1,47 @@
+"""The connector's settings, from `kv_connector_extra_config`; bad values are a clear error at start."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    mount: str
+    chunk_size: int | None = None  # tokens per file; None = 256 rounded up to a multiple of the block size
+    on_load_error: str = "recompute"  # or "fail": vLLM's own default, which fails the request
+    require_mount: bool = True  # only use `mount` while it is a mount point (never fill the disk under it)
+    save_decode: bool = True  # also save chunks completed while decoding (the next turn reuses them)
+    io_threads: int = 4
+    max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> "Settings":
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvfs connector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        if not extra.get("mount"):
+            raise ValueError('kvfs connector: kv_connector_extra_config needs "mount" (the kvfs mount point)')
+        s = cls(**extra)
+        if s.on_load_error not in ("recompute", "fail"):
+            raise ValueError(f'kvfs connector: on_load_error must be "recompute" or "fail", not {s.on_load_error!r}')
+        if s.chunk_size is not None and (not isinstance(s.chunk_size, int) or s.chunk_size <= 0):
+            raise ValueError(f"kvfs connector: chunk_size must be a positive number of tokens, not {s.chunk_size!r}")
+        if s.io_threads < 1 or s.max_pending_save_mb < 0:
+            raise ValueError("kvfs connector: io_threads must be >= 1 and max_pending_save_mb >= 0")
+        return s
+
+    def chunk_tokens(self, block_size: int) -> int:
+        """Tokens per chunk: a multiple of vLLM's block size (the unit the paged cache moves in)."""
+        if self.chunk_size is None:
+            return -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size
+        if self.chunk_size % block_size:
+            raise ValueError(f"kvfs connector: chunk_size {self.chunk_size} is not a multiple of the block "
+                             f"size {block_size}")
+        return self.chunk_size

@@ -1,0 +1,197 @@
+"""Worker side: read chunk files into the paged cache before the layers need them; save new chunks.
+
+Loads: start_load() hands every chunk file of the step to reader threads (the kvfs daemon decodes in its own
+process meanwhile); wait_layer() blocks until the reads are in and copies one layer into the paged cache, so
+the scatter of layer i overlaps the attention of layer i-1. A chunk that is missing, fails a checksum, or holds
+other tokens or another layout is a load error: its blocks are reported to vLLM, which recomputes them.
+
+Saves: after the forward pass (finish_step) each new chunk is copied out of the paged cache into its own
+buffer at once — so vLLM may reuse the blocks as soon as the step ends and a save can never store another
+request's KV — and written by a writer thread (temp name, rename) off the forward path. Copied-out chunks
+waiting for the writer are bounded (max_pending_save_mb); beyond the bound a save is dropped, never waited for.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+
+import torch
+import xxhash
+
+from . import chunkfile, files
+from .chunkfile import ChunkMismatch
+from .layout import ChunkLayout
+from .mount import MountGuard
+from .plan import LoadSpec, SaveSpec
+
+log = logging.getLogger("vllm.kvfs_connector")
+
+DTYPE_XATTR = {torch.bfloat16: b"bf16", torch.float16: b"fp16"}
+
+
+class _Load:
+    def __init__(self, spec: LoadSpec, future: cf.Future) -> None:
+        self.spec = spec
+        self.future = future
+        self.payload: torch.Tensor | None = None
+        self.failed = False
+        self.layers_done: set[int] = set()
+
+
+class WorkerSide:
+    def __init__(self, layout: ChunkLayout, kv_layers: list[torch.Tensor], layer_index: dict[str, int],
+                 rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int) -> None:
+        self.layout = layout
+        self.descriptor = layout.descriptor()
+        self.kv_layers = kv_layers
+        self.layer_index = layer_index
+        self.rank = rank
+        self.guard = guard
+        self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read")
+        self.writer = cf.ThreadPoolExecutor(2, thread_name_prefix="kvfs-write")
+        self.max_pending = max_pending_save_bytes
+        self._pending_bytes = 0
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+        self._loads: list[_Load] = []
+        self._failed_blocks: set[int] = set()
+        self.stats = collections.Counter()
+        self._warned: set[str] = set()
+        self.xattrs = {files.XA_SHAPE: layout.shape_hint(chunkfile.HEADER_SIZE).encode()}
+        if layout.g.dtype in DTYPE_XATTR:
+            self.xattrs[files.XA_DTYPE] = DTYPE_XATTR[layout.g.dtype]
+
+    # -- loads -----------------------------------------------------------------------------------------
+    def start_load(self, specs: list[LoadSpec]) -> None:
+        self._loads = [_Load(s, self.readers.submit(self._read, s)) for s in specs]
+
+    def _read(self, spec: LoadSpec) -> torch.Tensor:
+        """In a reader thread: the verified payload of one chunk file, as a tensor in payload order."""
+        expected = chunkfile.HEADER_SIZE + self.layout.payload_elements * self.layout.g.dtype.itemsize
+        buf = files.read_whole(spec.paths[self.rank], expected)
+        payload = chunkfile.verify(buf, first_token=spec.first_token, n_tokens=spec.n_tokens,
+                                   expected_tokens=spec.token_digest, descriptor=self.descriptor)
+        return self.layout.payload_view(payload)
+
+    def _resolve(self, load: _Load) -> None:
+        if load.payload is not None or load.failed:
+            return
+        try:
+            load.payload = load.future.result()
+            self.stats["loaded_chunks"] += 1
+            self.stats["loaded_bytes"] += load.payload.numel() * load.payload.element_size()
+        except (OSError, ChunkMismatch) as e:
+            self._fail(load, e)
+        except Exception as e:  # never crash the engine over a cache file
+            log.exception("kvfs connector: unexpected error loading %s", load.spec.paths[self.rank])
+            self._fail(load, e)
+
+    def _fail(self, load: _Load, err: Exception) -> None:
+        load.failed = True
+        s = load.spec
+        self._failed_blocks.update(s.block_ids[s.first_block:s.end_block])
+        self.stats["load_errors"] += 1
+        if isinstance(err, OSError):
+            self.guard.failed(err)
+        log.warning("kvfs connector: chunk %s unusable (%s); vLLM recomputes its %d blocks",
+                    s.paths[self.rank], err, s.end_block - s.first_block)
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        for load in self._loads:
+            self._resolve(load)
+            if load.failed or layer in load.layers_done:
+                continue
+            s = load.spec
+            self.layout.scatter_layer_range(self.kv_layers[layer], layer, load.payload, s.block_ids,
+                                            s.first_block, s.end_block)
+            load.layers_done.add(layer)
+
+    def finish_loads(self) -> None:
+        """End of step: a load some layer never received (no wait_layer call for it) is a load error, so
+        vLLM does not keep tokens computed over blocks that were not filled."""
+        for load in self._loads:
+            self._resolve(load)
+            if not load.failed and len(load.layers_done) != len(self.kv_layers):
+                self._fail(load, RuntimeError(f"{len(self.kv_layers) - len(load.layers_done)} layers not loaded "
+                                              "before their attention ran"))
+        self._loads = []
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    # -- saves -----------------------------------------------------------------------------------------
+    def save(self, specs: list[SaveSpec]) -> None:
+        """Right after the forward pass: copy each new chunk out of the paged cache, queue the write."""
+        for spec in specs:
+            path = spec.paths[self.rank]
+            size = self.layout.payload_elements * self.layout.g.dtype.itemsize
+            with self._lock:
+                if path in self._in_flight:
+                    continue
+                if self._pending_bytes + size > self.max_pending:
+                    self.stats["saves_dropped"] += 1
+                    self._warn_once("dropped", "kvfs connector: writer behind (%d MB pending); dropping saves "
+                                    "instead of slowing the engine", self._pending_bytes >> 20)
+                    continue
+                self._pending_bytes += size
+                self._in_flight.add(path)
+            try:
+                payload = self.layout.gather(self.kv_layers, spec.block_ids)
+            except Exception:
+                self._done(path, size)
+                raise
+            self.writer.submit(self._write, spec, path, payload, size)
+
+    def _write(self, spec: SaveSpec, path: str, payload: torch.Tensor, size: int) -> None:
+        try:
+            if not self.guard.usable():
+                self.stats["saves_skipped_no_mount"] += 1
+                return
+            data = payload.view(torch.uint8).numpy()
+            header = chunkfile.ChunkHeader(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
+                                           size, xxhash.xxh3_64_intdigest(data)).pack()
+            if files.write_atomic(path, [header, data], self.xattrs):
+                self.stats["saved_chunks"] += 1
+                self.stats["saved_bytes"] += size
+            else:
+                self.stats["saves_existing"] += 1
+        except OSError as e:
+            self.stats["save_errors"] += 1
+            self.guard.failed(e)
+            self._warn_once("save-" + str(e.errno), "kvfs connector: saving %s failed: %s", path, e)
+        except Exception:
+            self.stats["save_errors"] += 1
+            log.exception("kvfs connector: saving %s failed", path)
+        finally:
+            self._done(path, size)
+
+    def _done(self, path: str, size: int) -> None:
+        with self._lock:
+            self._pending_bytes -= size
+            self._in_flight.discard(path)
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for queued saves (used at shutdown and by tests)."""
+        self.writer.submit(lambda: None).result(timeout)
+        while True:
+            with self._lock:
+                if not self._in_flight:
+                    return
+            threading.Event().wait(0.01)
+
+    def shutdown(self) -> None:
+        self.writer.shutdown(wait=True)
+        self.readers.shutdown(wait=True, cancel_futures=True)
+        log.info("kvfs connector: %s", dict(self.stats))

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Run one vLLM engine (CPU) over a batch of requests and report tokens, external hits and TTFT as JSON.
+
+Used by the tests (one engine per process, like production) and by tools/bench_ttft.py. Input: a JSON job on
+stdin or in a file:
+
+    {"model": DIR, "connector": null | {"kv_connector": ..., "kv_connector_module_path": ...,
+                                        "kv_connector_extra_config": {...}},
+     "rounds": [ {"prompts": [[token ids], ...], "max_tokens": 8, "concurrency": 8}, ... ],
+     "max_model_len": 8192, "kv_cache_gib": 1, "block_size": null, "dtype": "bfloat16",
+     "num_gpu_blocks_override": null}
+
+Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
+previous one finished) through LLMEngine.step(), greedy, and records per request: the generated token ids,
+num_cached_tokens (vLLM's count of prompt tokens it did not compute: local prefix cache + connector hits),
+TTFT (from submission to the step that produced the first token) and end-to-end latency. Output: one JSON
+object on stdout's last line: {"rounds": [[{...per request...}]], "engine_start_s": ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _env() -> None:
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run(job: dict) -> dict:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(job.get("kv_cache_gib", 1))
+    _env()
+    from vllm import EngineArgs, LLMEngine, SamplingParams, TokensPrompt
+    from vllm.config import KVTransferConfig
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=job["model"], dtype=job.get("dtype", "bfloat16"),
+                  max_model_len=job.get("max_model_len", 8192), enforce_eager=True, seed=0,
+                  enable_prefix_caching=job.get("prefix_caching", False),
+                  max_num_batched_tokens=job.get("max_num_batched_tokens", job.get("max_model_len", 8192)))
+    if job.get("block_size"):
+        kwargs["block_size"] = job["block_size"]
+    if job.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = job["num_gpu_blocks_override"]
+    if job.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(kv_role="kv_both", **job["connector"])
+    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    started = time.perf_counter() - t0
+
+    results = []
+    n = 0
+    for rnd in job["rounds"]:
+        params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), ignore_eos=True)
+        prompts = rnd["prompts"]
+        out: list[dict] = [None] * len(prompts)  # type: ignore[list-item]
+        conc = rnd.get("concurrency", 1)
+        for g in range(0, len(prompts), conc):
+            group = list(range(g, min(g + conc, len(prompts))))
+            submitted = {}
+            for i in group:
+                rid = f"r{n}"
+                n += 1
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i]), params)
+                submitted[rid] = (i, time.perf_counter())
+            first: dict[str, float] = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    i, t_sub = submitted[o.request_id]
+                    now = time.perf_counter()
+                    if o.request_id not in first and o.outputs and o.outputs[0].token_ids:
+                        first[o.request_id] = now - t_sub
+                    if o.finished:
+                        out[i] = {"tokens": list(o.outputs[0].token_ids),
+                                  "num_cached_tokens": o.num_cached_tokens or 0,
+                                  "prompt_tokens": len(prompts[i]), "ttft_s": first.get(o.request_id),
+                                  "e2e_s": now - t_sub}
+        results.append(out)
+    t1 = time.perf_counter()
+    del engine
+    return {"rounds": results, "engine_start_s": started, "shutdown_s": time.perf_counter() - t1}
+
+
+def main() -> int:
+    job = json.load(open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin)
+    result = run(job)
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
