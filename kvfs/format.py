@@ -10,6 +10,7 @@ Pure functions, no I/O. The byte-level specification is docs/format.md; keep the
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 from collections.abc import Sequence
 
@@ -35,6 +36,36 @@ FRAME_HOLE = 0x1  # no payload: raw_len zero bytes
 DTYPES = {"unknown": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "int8": 6}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DTYPE_ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+
+EXT_SHAPE = 1  # shape hint: ASCII "offset=N name=n name=n ..." (outermost dimension first)
+SHAPE_HINT = re.compile(rb"offset=\d{1,12}( [a-z][a-z_]{0,15}=\d{1,9}){1,8}")
+
+
+def parse_shape_hint(value: bytes) -> tuple[int, list[tuple[str, int]]]:
+    """Validate a shape hint; returns (payload offset, [(dimension, size), ...]). Raises ValueError."""
+    value = bytes(value).strip()
+    if not SHAPE_HINT.fullmatch(value):
+        raise ValueError("shape hint must look like 'offset=4096 layer=30 kv=2 head=3 channel=64 token=256'")
+    first, *dims = value.decode().split(" ")
+    parsed = [(name, int(n)) for name, n in (d.split("=") for d in dims)]
+    if any(n == 0 for _, n in parsed) or len({name for name, _ in parsed}) != len(parsed):
+        raise ValueError("shape hint dimensions must be positive and distinct")
+    return int(first.split("=")[1]), parsed
+
+
+def tlv(tag: int, value: bytes) -> bytes:
+    return struct.pack("<HH", tag, len(value)) + value
+
+
+def parse_tlvs(ext: bytes) -> dict[int, bytes]:
+    """Extension TLVs of a header (unknown tags included; the caller ignores what it does not know)."""
+    out, i = {}, 0
+    while i + 4 <= len(ext):
+        tag, length = struct.unpack_from("<HH", ext, i)
+        out[tag] = bytes(ext[i + 4:i + 4 + length])
+        i += 4 + length
+    return out
 
 
 class CorruptObject(Exception):

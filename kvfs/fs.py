@@ -42,6 +42,7 @@ BLOCK = 4096  # statfs block unit
 
 XA_PREFIX = b"user.kvfs."
 XA_DTYPE = b"user.kvfs.dtype"
+XA_SHAPE = b"user.kvfs.shape"  # a layout hint from the writer (the connector); recorded in the object header
 INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes", b"user.kvfs.transform")
 SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 
@@ -270,7 +271,8 @@ class Operations(pyfuse3.Operations):
     # -- open files --------------------------------------------------------------------------------
     def _policy(self, ino: int) -> EncodingPolicy:
         dtype = self.index.get_xattr(ino, XA_DTYPE)
-        return EncodingPolicy(self.codec, dtype.decode() if dtype else self.config.dtype)
+        return EncodingPolicy(self.codec, dtype.decode() if dtype else self.config.dtype,
+                              self.index.get_xattr(ino, XA_SHAPE))
 
     def _acquire(self, ino: int, row) -> OpenFile:
         state = self.open_files.get(ino)
@@ -607,7 +609,18 @@ class Operations(pyfuse3.Operations):
             self.index.set_xattr(inode, name, dtype.encode())
             state = self.open_files.get(inode)
             if state is not None:
-                state.policy = EncodingPolicy(self.codec, dtype)
+                state.policy = EncodingPolicy(self.codec, dtype, state.policy.shape)
+            return
+        if name == XA_SHAPE:
+            try:
+                fmt.parse_shape_hint(bytes(value))
+            except ValueError as e:
+                log.info("rejected user.kvfs.shape=%r: %s", bytes(value)[:80], e)
+                raise _err(errno.EINVAL) from None
+            self.index.set_xattr(inode, name, bytes(value).strip())
+            state = self.open_files.get(inode)
+            if state is not None:
+                state.policy.shape = bytes(value).strip()
             return
         if name.startswith(XA_PREFIX):
             raise _err(errno.EOPNOTSUPP)
@@ -623,7 +636,9 @@ class Operations(pyfuse3.Operations):
         if not self.index.remove_xattr(inode, name):
             raise _err(pyfuse3.ENOATTR)
         if name == XA_DTYPE and inode in self.open_files:
-            self.open_files[inode].policy = EncodingPolicy(self.codec, self.config.dtype)
+            self.open_files[inode].policy = self._policy(inode)
+        if name == XA_SHAPE and inode in self.open_files:
+            self.open_files[inode].policy.shape = None
 
     # -- corruption, stats, shutdown ----------------------------------------------------------------
     async def drop_corrupt(self, err: FileCorrupt) -> None:

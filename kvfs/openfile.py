@@ -94,8 +94,9 @@ class DirtyBudget:
 class EncodingPolicy:
     """How new frames of a file are encoded: codec and transform (per file, from dtype or a sample)."""
 
-    def __init__(self, codec: codecs.Codec, dtype: str) -> None:
+    def __init__(self, codec: codecs.Codec, dtype: str, shape: bytes | None = None) -> None:
         self.codec = codec
+        self.shape = shape  # user.kvfs.shape, validated; goes into the header (tag EXT_SHAPE)
         self._choosing = threading.Lock()  # the first frames of a file may be encoded in parallel
         self.dtype = dtype  # 'auto', 'none' or a format.DTYPES name
         self.transform: int | None = None if dtype == "auto" else _transform_for_dtype(dtype)
@@ -449,7 +450,8 @@ class OpenFile:
             header = fmt.Header(raw_size=size, frame_size=self.frame_size, n_frames=n,
                                 transform=self.policy.transform or transforms.IDENTITY,
                                 element_size=self.policy.element_size, codec=self.policy.codec.id,
-                                dtype=fmt.DTYPES.get(self.policy.dtype, 0))
+                                dtype=fmt.DTYPES.get(self.policy.dtype, 0),
+                                extensions=fmt.tlv(fmt.EXT_SHAPE, self.policy.shape) if self.policy.shape else b"")
             parts, entries = await self.store.cpu(fmt.build_object, header, frames)
             gen = self.next_gen
             self.next_gen += 1

@@ -1,0 +1,265 @@
+"""The connector's pure parts: chunk file format, names, settings, layout round trips, the planner.
+
+No vLLM engine here (tests/test_vllm.py runs real ones); torch is needed for the layout tests.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import kv_samples
+from kvfs_connector import chunkfile, naming
+from kvfs_connector.chunkfile import ChunkMismatch
+from kvfs_connector.mount import MountGuard
+from kvfs_connector.plan import Planner
+from kvfs_connector.settings import Settings
+
+torch = pytest.importorskip("torch", reason="torch comes with tools/install_vllm.sh")
+from kvfs_connector import layout as layouts  # noqa: E402  (needs torch)
+
+DESC = {"layout": "cpu-vec", "dtype": "bfloat16", "layers": 2}
+
+
+# -- chunk file -------------------------------------------------------------------------------------------
+def _chunk(tokens=None, first=256, payload=b"\x01\x02" * 500):
+    tokens = list(range(1000, 1512)) if tokens is None else tokens
+    parts = chunkfile.build(first, tokens, DESC, payload)
+    return b"".join(bytes(p) for p in parts), tokens
+
+
+def test_chunk_round_trip_and_header_alignment():
+    buf, tokens = _chunk()
+    assert len(buf) == chunkfile.HEADER_SIZE + 1000
+    out = chunkfile.verify(buf, first_token=256, n_tokens=256, expected_tokens=chunkfile.token_digest(tokens),
+                           descriptor=DESC)
+    assert bytes(out) == b"\x01\x02" * 500
+
+
+@pytest.mark.parametrize("change", ["tokens", "prefix", "layout", "position", "payload", "header", "short"])
+def test_chunk_mismatch_is_refused(change):
+    buf, tokens = _chunk()
+    buf = bytearray(buf)
+    expect = dict(first_token=256, n_tokens=256, expected_tokens=chunkfile.token_digest(tokens), descriptor=DESC)
+    if change == "tokens":  # the chunk's own tokens differ
+        expect["expected_tokens"] = chunkfile.token_digest(tokens[:-1] + [7])
+    elif change == "prefix":  # same chunk tokens, another prefix (a chained-hash collision)
+        expect["expected_tokens"] = chunkfile.token_digest([5] + tokens[1:])
+    elif change == "layout":
+        expect["descriptor"] = {**DESC, "layers": 3}
+    elif change == "position":
+        expect["first_token"] = 0
+    elif change == "payload":
+        buf[-3] ^= 0x10
+    elif change == "header":
+        buf[40] ^= 0x01
+    elif change == "short":
+        buf = buf[:-2]
+    with pytest.raises(ChunkMismatch):
+        chunkfile.verify(buf, **expect)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), st.integers(0, 299))
+def test_token_digest_sees_every_token(tokens, i):
+    i %= len(tokens)
+    other = list(tokens)
+    other[i] ^= 1
+    assert chunkfile.token_digest(tokens) != chunkfile.token_digest(other)
+    assert chunkfile.token_digest(tokens) == chunkfile.token_digest(np.array(tokens, dtype=np.uint32))
+
+
+# -- names and settings -------------------------------------------------------------------------------------
+KEY = naming.NamespaceKey(model="/models/SmolLM2-135M-Instruct", dtype="bfloat16", num_layers=30, num_kv_heads=3,
+                          head_size=64, block_size=128, chunk_size=256, layout="cpu-vec", tp_rank=0, tp_size=1,
+                          pp_rank=0, pp_size=1, hash_algo="sha256", hash_seed_id="abc")
+
+
+def test_namespace_is_readable_and_covers_every_field():
+    ns = KEY.namespace()
+    assert ns.startswith("SmolLM2-135M-Instruct-") and len(ns.rsplit("-", 1)[1]) == 12
+    seen = {ns}
+    for field, value in [("dtype", "float16"), ("num_layers", 29), ("num_kv_heads", 1), ("head_size", 128),
+                         ("block_size", 64), ("chunk_size", 512), ("layout", "blocks:cuda-auto"), ("tp_rank", 1),
+                         ("tp_size", 2), ("pp_rank", 1), ("pp_size", 2), ("hash_algo", "xxhash"),
+                         ("hash_seed_id", "def"), ("lossy", "mantissa-3"), ("model", "/other/SmolLM2-135M-Instruct")]:
+        seen.add(naming.NamespaceKey(**{**KEY.__dict__, field: value}).namespace())
+    assert len(seen) == 16
+
+
+def test_chunk_path_layout():
+    h = bytes(range(32))
+    assert naming.chunk_relpath("ns", h) == f"ns/00/{h.hex()}.kv"
+
+
+def test_settings_are_checked():
+    assert Settings.from_extra({"mount": "/mnt/kvfs"}).chunk_tokens(128) == 256
+    assert Settings.from_extra({"mount": "/m"}).chunk_tokens(96) == 288  # rounded up to whole blocks
+    with pytest.raises(ValueError, match="mount"):
+        Settings.from_extra({})
+    with pytest.raises(ValueError, match="unknown"):
+        Settings.from_extra({"mount": "/m", "chunk_tokens": 256})
+    with pytest.raises(ValueError, match="multiple"):
+        Settings.from_extra({"mount": "/m", "chunk_size": 200}).chunk_tokens(128)
+    with pytest.raises(ValueError, match="on_load_error"):
+        Settings.from_extra({"mount": "/m", "on_load_error": "ignore"})
+
+
+def test_mount_guard(tmp_path):
+    plain = tmp_path / "dir"
+    plain.mkdir()
+    assert not MountGuard(str(plain), require_mount=True).usable()  # never fill the disk under a mount point
+    assert MountGuard(str(plain), require_mount=False).usable()
+    assert not MountGuard(str(tmp_path / "missing"), require_mount=False).usable()
+
+
+# -- layouts --------------------------------------------------------------------------------------------------
+def _cpu_cache_from_block_file(path, blocks: int, dtype):
+    """A paged cache per vLLM CPU layout, filled with a real KV block (vLLM CPU block order) at random slots."""
+    raw = np.fromfile(path, dtype=np.uint16)
+    L, H, bs, D = 30, 3, 128, 64
+    per_layer = torch.from_numpy(raw.view(np.int16).copy()).view(dtype).view(L, H, bs, 2 * D)
+    caches = [torch.zeros(blocks, H, bs, 2 * D, dtype=dtype) for _ in range(L)]
+    return caches, per_layer
+
+
+def test_cpu_vec_layout_is_channel_major_and_inverts_bit_exactly():
+    g = layouts.Geometry(num_layers=30, num_kv_heads=3, head_size=64, block_size=128, chunk_size=256,
+                         dtype=torch.bfloat16)
+    (bf16,) = kv_samples("bf16")[:1]
+    caches, real = _cpu_cache_from_block_file(bf16, 10, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for layer, c in enumerate(caches):
+        c[7] = real[layer]
+        c[2] = torch.randn(c[2].shape, generator=gen).to(torch.bfloat16)
+    lay = layouts.choose(g, tuple(caches[0].shape[1:]), "cpu-vec")
+    payload = lay.gather(caches, [7, 2])
+    p = payload.view(30, 2, 3, 64, 256)
+    # K of layer 5, head 1, channel 10 over the chunk's first block = that row of K^T in block 7
+    assert torch.equal(p[5, 0, 1, 10, :128], caches[5][7, 1].reshape(-1)[10 * 128:11 * 128])
+    # V of layer 5, head 2, channel 3 over the second block = column 3 of V [token][channel] in block 2
+    v = caches[5][2, 2].reshape(-1)[128 * 64:].view(128, 64)
+    assert torch.equal(p[5, 1, 2, 3, 128:], v[:, 3])
+    # scatter into other blocks of a fresh cache: bit-exact, per layer, partial ranges honoured
+    fresh = [torch.zeros_like(c) for c in caches]
+    for layer in range(30):
+        lay.scatter_layer_range(fresh[layer], layer, payload, [4, 9], 0, 2)
+    for layer in range(30):
+        assert torch.equal(fresh[layer][4].view(torch.int16), caches[layer][7].view(torch.int16))
+        assert torch.equal(fresh[layer][9].view(torch.int16), caches[layer][2].view(torch.int16))
+    partial = [torch.zeros_like(c) for c in caches]
+    lay.scatter_layer_range(partial[0], 0, payload, [4, 9], 1, 2)
+    assert not partial[0][4].any() and torch.equal(partial[0][9], caches[0][2])
+    assert lay.shape_hint(4096) == "offset=4096 layer=30 kv=2 head=3 channel=64 token=256"
+
+
+def test_block_bytes_layout_round_trip_with_special_values():
+    g = layouts.Geometry(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.float16)
+    caches = [torch.randn(6, 4, 2, 2, 8).to(torch.float16) for _ in range(2)]  # some other engine's block shape
+    caches[1][3].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 65504.0], dtype=torch.float16)
+    lay = layouts.choose(g, tuple(caches[0].shape[1:]), "blocks:cuda-auto")
+    payload = lay.gather(caches, [3, 1])
+    out = [torch.zeros_like(c) for c in caches]
+    for layer in range(2):
+        lay.scatter_layer_range(out[layer], layer, payload, [0, 5], 0, 2)
+    for layer in range(2):
+        assert torch.equal(out[layer][0].view(torch.int16), caches[layer][3].view(torch.int16))
+        assert torch.equal(out[layer][5].view(torch.int16), caches[layer][1].view(torch.int16))
+
+
+# -- planner --------------------------------------------------------------------------------------------------
+class FakeRequest:
+    """The parts of vllm.v1.request.Request the planner reads; hashes chained like vLLM's."""
+
+    def __init__(self, rid: str, tokens: list[int], prompt_len: int, hash_block: int = 128) -> None:
+        self.request_id = rid
+        self.prompt_token_ids = tokens[:prompt_len]
+        self.all_token_ids = list(tokens)
+        self.block_hashes = []
+        parent = b"seed"
+        for i in range(len(tokens) // hash_block):
+            parent = naming.hashlib.sha256(parent + repr(tokens[i * hash_block:(i + 1) * hash_block]).encode()).digest()
+            self.block_hashes.append(parent)
+
+
+def _planner(tmp_path, **kw):
+    return Planner(mount=str(tmp_path), namespaces=lambda: ["ns"], block_size=128, hash_block_size=128,
+                   chunk_size=256, save_decode=kw.get("save_decode", True),
+                   guard=MountGuard(str(tmp_path), require_mount=False))
+
+
+def _touch(planner, req, chunk):
+    (path,) = planner.chunk_paths(req, chunk)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "wb").close()
+
+
+def test_planner_longest_prefix_never_the_last_token(tmp_path):
+    p = _planner(tmp_path)
+    req = FakeRequest("a", list(range(1024)), 1024)
+    assert p.lookup(req, 0) == 0
+    _touch(p, req, 0)
+    _touch(p, req, 2)  # not contiguous with chunk 0: only chunk 0 counts
+    assert p.lookup(req, 0) == 256
+    _touch(p, req, 1)
+    _touch(p, req, 3)
+    # 1024 prompt tokens: the last one is computed, so the hit ends at block 7 (896 tokens), inside chunk 3
+    assert p.lookup(req, 0) == 896
+    assert p.lookup(req, 128) == 768  # vLLM's own prefix cache had the first block
+    p.allocated(req, list(range(100, 108)), 768)
+    loads, _ = p.step(types.SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=_no_cached(),
+                                            preempted_req_ids=set(), num_scheduled_tokens={}))
+    assert [(s.first_token, s.block_ids, s.first_block, s.end_block) for s in loads] == [
+        (0, [100, 101], 1, 2), (256, [102, 103], 0, 2), (512, [104, 105], 0, 2), (768, [106, 107], 0, 1)]
+    assert loads[0].token_digest == chunkfile.token_digest(range(256))
+
+
+def _no_cached():
+    return types.SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+
+
+def _new(req, blocks, computed):
+    return types.SimpleNamespace(req_id=req.request_id, block_ids=(blocks,), num_computed_tokens=computed)
+
+
+def test_planner_saves_prefill_and_decode_chunks_once(tmp_path):
+    p = _planner(tmp_path)
+    tokens = list(range(5000, 5000 + 600))
+    req = FakeRequest("a", tokens, 600)
+    p.lookup(req, 0)
+    p.allocated(req, [1, 2, 3, 4, 5], 0)
+    so = types.SimpleNamespace(scheduled_new_reqs=[_new(req, [1, 2, 3, 4, 5], 0)], scheduled_cached_reqs=_no_cached(),
+                               preempted_req_ids=set(), num_scheduled_tokens={"a": 600})
+    _, saves = p.step(so)
+    assert [(s.first_token, s.block_ids) for s in saves] == [(0, [1, 2]), (256, [3, 4])]
+    # decode up to token 767: chunk 2 (512..767) completes when the step computing token 767 runs
+    more = list(range(9000, 9000 + 168))
+    req2 = FakeRequest("a", tokens + more, 600)
+    p.requests["a"].request = req2
+    cached = types.SimpleNamespace(req_ids=["a"], resumed_req_ids=set(), new_block_ids=[([6],)],
+                                   num_computed_tokens=[767])
+    so = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, preempted_req_ids=set(),
+                               num_scheduled_tokens={"a": 1})
+    _, saves = p.step(so)
+    assert [(s.first_token, s.block_ids) for s in saves] == [(512, [5, 6])]
+    assert saves[0].token_digest == chunkfile.token_digest((tokens + more)[:768])
+    _, saves = p.step(so)
+    assert saves == []  # never twice
+
+
+def test_planner_without_decode_saves_and_with_existing_chunks(tmp_path):
+    p = _planner(tmp_path, save_decode=False)
+    req = FakeRequest("b", list(range(800)), 700)
+    _touch(p, req, 0)
+    assert p.lookup(req, 0) == 256
+    p.allocated(req, list(range(10, 16)), 256)
+    so = types.SimpleNamespace(scheduled_new_reqs=[_new(req, list(range(10, 16)), 256)],
+                               scheduled_cached_reqs=_no_cached(), preempted_req_ids=set(),
+                               num_scheduled_tokens={"b": 444})
+    loads, saves = p.step(so)
+    assert len(loads) == 1
+    assert [s.first_token for s in saves] == [256]  # chunk 0 exists; chunk 2 would need decode tokens
