@@ -229,6 +229,28 @@ def test_user_xattrs_and_kvfs_info(kvfs: KvfsMount):
     assert 'user.kvfs.tier="L2"' in out and "user.kvfs.stored_bytes=" in out
 
 
+def test_shape_hint_xattr_is_validated_and_recorded_in_the_object(kvfs: KvfsMount):
+    from kvfs import format as fmt
+
+    f = kvfs.path("chunk.kv")
+    hint = b"offset=4096 layer=30 kv=2 head=3 channel=64 token=256"
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT, 0o644)
+    for bad in (b"layer=30", b"offset=1 layer=0", b"offset=1 a=1 a=2", b"offset=1 " + b"x=1 " * 9, b"offset=x"):
+        with pytest.raises(OSError) as e:
+            os.setxattr(fd, "user.kvfs.shape", bad)
+        assert e.value.errno == errno.EINVAL, bad
+    os.setxattr(fd, "user.kvfs.dtype", b"bf16")
+    os.setxattr(fd, "user.kvfs.shape", hint)  # before the data, like the connector does
+    os.write(fd, b"\x3f\x80" * 300_000)
+    os.close(fd)
+    assert os.getxattr(f, "user.kvfs.shape") == hint
+    (obj,) = kvfs.objects()
+    header = fmt.parse_header(obj.read_bytes()[:4096])
+    assert fmt.parse_tlvs(header.extensions) == {fmt.EXT_SHAPE: hint}
+    assert fmt.parse_shape_hint(hint) == (4096, [("layer", 30), ("kv", 2), ("head", 3), ("channel", 64),
+                                                 ("token", 256)])
+
+
 def test_names_long_non_utf8_and_deep(kvfs: KvfsMount):
     root = os.fsencode(kvfs.mountpoint)
     long_name = b"n" * 255

@@ -10,7 +10,8 @@ stdin or in a file:
      "max_model_len": 8192, "kv_cache_gib": 1, "block_size": null, "dtype": "bfloat16",
      "num_gpu_blocks_override": null}
 
-Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
+A prompt may also be {"extend": [round, index], "extra": [token ids]}: the prompt of that earlier request,
+then its generated tokens, then `extra` — the next turn of a conversation. Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
 previous one finished) through LLMEngine.step(), greedy, and records per request: the generated token ids,
 num_cached_tokens (vLLM's count of prompt tokens it did not compute: local prefix cache + connector hits),
 TTFT (from submission to the step that produced the first token) and end-to-end latency. Output: one JSON
@@ -56,7 +57,7 @@ def run(job: dict) -> dict:
     n = 0
     for rnd in job["rounds"]:
         params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), ignore_eos=True)
-        prompts = rnd["prompts"]
+        prompts = [_resolve(p, job["rounds"], results) for p in rnd["prompts"]]
         out: list[dict] = [None] * len(prompts)  # type: ignore[list-item]
         conc = rnd.get("concurrency", 1)
         for g in range(0, len(prompts), conc):
@@ -75,7 +76,7 @@ def run(job: dict) -> dict:
                     if o.request_id not in first and o.outputs and o.outputs[0].token_ids:
                         first[o.request_id] = now - t_sub
                     if o.finished:
-                        out[i] = {"tokens": list(o.outputs[0].token_ids),
+                        out[i] = {"tokens": list(o.outputs[0].token_ids), "prompt": prompts[i],
                                   "num_cached_tokens": o.num_cached_tokens or 0,
                                   "prompt_tokens": len(prompts[i]), "ttft_s": first.get(o.request_id),
                                   "e2e_s": now - t_sub}
@@ -83,6 +84,13 @@ def run(job: dict) -> dict:
     t1 = time.perf_counter()
     del engine
     return {"rounds": results, "engine_start_s": started, "shutdown_s": time.perf_counter() - t1}
+
+
+def _resolve(prompt, rounds: list, results: list) -> list[int]:
+    if isinstance(prompt, dict):
+        r, i = prompt["extend"]
+        return results[r][i]["prompt"] + results[r][i]["tokens"] + list(prompt["extra"])
+    return list(prompt)
 
 
 def main() -> int:
