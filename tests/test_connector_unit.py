@@ -10,9 +10,9 @@ import types
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
 from conftest import kv_samples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvfs_connector import chunkfile, naming
 from kvfs_connector.chunkfile import ChunkMismatch
 from kvfs_connector.mount import MountGuard
@@ -20,7 +20,7 @@ from kvfs_connector.plan import Planner
 from kvfs_connector.settings import Settings
 
 torch = pytest.importorskip("torch", reason="torch comes with tools/install_vllm.sh")
-from kvfs_connector import layout as layouts  # noqa: E402  (needs torch)
+from kvfs_connector import layout as layouts
 
 DESC = {"layout": "cpu-vec", "dtype": "bfloat16", "layers": 2}
 
@@ -263,3 +263,89 @@ def test_planner_without_decode_saves_and_with_existing_chunks(tmp_path):
     loads, saves = p.step(so)
     assert len(loads) == 1
     assert [s.first_token for s in saves] == [256]  # chunk 0 exists; chunk 2 would need decode tokens
+
+
+# -- worker side, on a plain directory ---------------------------------------------------------------------
+def _worker(tmp_path, layers=3):
+    from kvfs_connector.plan import SaveSpec
+    from kvfs_connector.worker import WorkerSide
+
+    g = layouts.Geometry(num_layers=layers, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8,
+                         dtype=torch.bfloat16)
+    caches = [torch.randn(10, 2, 4, 16).to(torch.bfloat16) for _ in range(layers)]
+    lay = layouts.choose(g, (2, 4, 16), "cpu-vec")
+    w = WorkerSide(lay, caches, {f"layer.{i}": i for i in range(layers)}, 0,
+                   MountGuard(str(tmp_path), require_mount=False), io_threads=2, max_pending_save_bytes=1 << 30)
+    tokens = list(range(300, 316))
+    spec = SaveSpec("r", [str(tmp_path / "ns" / "ab" / "ab01.kv")], 8, 8, chunkfile.token_digest(tokens), [5, 2])
+    return w, caches, spec, tokens
+
+
+def _load(w, spec, blocks, first=0, end=2):
+    from kvfs_connector.plan import LoadSpec
+
+    w.start_load([LoadSpec("r", spec.paths, spec.first_token, spec.n_tokens, spec.token_digest, blocks, first, end)])
+    for name in w.layer_index:
+        w.wait_layer(name)
+    w.finish_loads()
+    return w.take_failed_blocks()
+
+
+def test_worker_copies_out_before_returning_so_reused_blocks_cannot_leak(tmp_path, monkeypatch):
+    import threading
+
+    from kvfs_connector import files
+
+    w, caches, spec, _ = _worker(tmp_path)
+    original = [c.clone() for c in caches]
+    gate = threading.Event()
+    real_write = files.write_atomic
+    monkeypatch.setattr(files, "write_atomic", lambda *a: gate.wait(10) and real_write(*a))
+    w.save([spec])
+    for c in caches:  # vLLM hands blocks 5 and 2 to another request before the writer ran
+        c.fill_(7.0)
+    gate.set()
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 1
+    assert os.getxattr(spec.paths[0], "user.kvfs.dtype") == b"bf16"
+    assert _load(w, spec, [0, 9]) == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(c[0].view(torch.int16), o[5].view(torch.int16))
+        assert torch.equal(c[9].view(torch.int16), o[2].view(torch.int16))
+    w.save([spec])  # exists: skipped, not rewritten
+    w.flush(10)
+    assert w.stats["saves_existing"] == 1
+    w.shutdown()
+
+
+def test_worker_reports_vanished_foreign_and_damaged_chunks_as_load_errors(tmp_path):
+    import dataclasses
+
+    w, caches, spec, tokens = _worker(tmp_path)
+    w.save([spec])
+    w.flush(10)
+    path = spec.paths[0]
+    other = dataclasses.replace(spec, token_digest=chunkfile.token_digest(tokens[:-1] + [1]))
+    assert _load(w, other, [0, 1]) == {0, 1}  # another prefix's KV under this name: never used
+    assert _load(w, spec, [0, 1], first=1) == set()
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 1
+    open(path, "wb").write(raw)
+    assert _load(w, spec, [3, 4]) == {3, 4}
+    os.unlink(path)
+    assert _load(w, spec, [3, 4], first=1) == {4}
+    assert w.stats["load_errors"] == 3
+    w.shutdown()
+
+
+def test_worker_load_missing_a_layer_is_a_load_error(tmp_path):
+    from kvfs_connector.plan import LoadSpec
+
+    w, caches, spec, _ = _worker(tmp_path)
+    w.save([spec])
+    w.flush(10)
+    w.start_load([LoadSpec("r", spec.paths, 8, 8, spec.token_digest, [0, 1], 0, 2)])
+    w.wait_layer("layer.0")  # layers 1 and 2 never asked for theirs before attention
+    w.finish_loads()
+    assert w.take_failed_blocks() == {0, 1}
+    w.shutdown()

@@ -17,7 +17,6 @@ unless KVFS_TESTS_WITHOUT_VLLM=1 says to skip them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,11 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FUSERMOUNT, REPO, KvfsMount
 
-from conftest import REPO, FUSERMOUNT, KvfsMount
+sys.path.insert(0, str(REPO / "tools"))
+import vllm_driver
 
 MODEL = Path(os.environ.get("KVFS_TEST_MODEL", REPO / ".venv/opt/models/SmolLM2-135M-Instruct"))
-DRIVER = REPO / "tools" / "vllm_driver.py"
 TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0",
          "/usr/share/common-licenses/GPL-2", "/usr/share/common-licenses/LGPL-2.1",
          "/usr/share/common-licenses/MPL-2.0", "/usr/share/common-licenses/Artistic"]
@@ -71,28 +71,12 @@ def run_engine(tmp: Path, rounds: list[dict], conn: dict | None, timeout: float 
     job = {"model": str(MODEL), "connector": conn, "rounds": rounds, "max_model_len": 4096,
            "max_num_batched_tokens": CHUNK, **job}
     tmp.mkdir(parents=True, exist_ok=True)
-    n = len(list(tmp.glob("engine-*.json")))
-    jobfile, logfile = tmp / f"engine-{n}.json", tmp / f"engine-{n}.log"
-    jobfile.write_text(json.dumps(job))
-    with open(logfile, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(DRIVER), str(jobfile)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # vLLM can leave engine processes behind
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    text = logfile.read_text(errors="replace")
-    last = text.strip().splitlines()[-1] if text.strip() else ""
-    if proc.returncode != 0 or not last.startswith("{"):
-        pytest.fail(f"engine failed (status {proc.returncode}):\n{text[-8000:]}")
-    result = json.loads(last)
-    result["log"] = text
+    logfile = tmp / f"engine-{len(list(tmp.glob('engine-*.log')))}.log"
+    try:
+        result = vllm_driver.spawn(job, logfile, timeout, env={"PYTHONHASHSEED": "0"})
+    except vllm_driver.EngineFailed as e:
+        pytest.fail(str(e))
+    text = result["log"]
     errors = [line for line in text.splitlines() if "kvfs_connector" in line and " ERROR " in line]
     assert not errors, errors
     return result
@@ -280,3 +264,30 @@ def test_dead_mount_is_a_miss(make_mount, baseline, prompts, workdir):
     assert outputs(result) == outputs(baseline)
     assert cached(result) == [0, 0, 0]
     assert "acting as a miss" in result["log"]
+
+
+def test_lmcache_fs_backend_in_a_kvfs_directory(make_mount, baseline, prompts, workdir):
+    """Any engine that does file I/O: LMCache 0.5.6 (multiprocess mode) with its fs L2 adapter in the mount.
+    The LMCache server is restarted between the engines with an empty L1: the hits come from kvfs."""
+    import lmcache_mp
+
+    m = make_mount("lmc").start()
+    l2 = m.mountpoint / "lmcache" / "l2"
+    results = []
+    for run in (1, 2):
+        proc, conn = lmcache_mp.start_server(str(l2), chunk_size=CHUNK, l1_gib=0.05,
+                                             log_path=str(workdir / f"lmcache-server-{run}.log"))
+        try:
+            results.append(run_engine(workdir / f"lmc{run}", [{"prompts": prompts, **ROUND}], conn))
+            lmcache_mp.wait_stores_settled(proc)
+        finally:
+            lmcache_mp.stop_server(proc)
+    first, second = results
+    files = sorted(l2.rglob("*.data"))
+    assert len(files) == sum(len(p) // CHUNK for p in prompts), files  # LMCache stores the prompts' full chunks
+    assert all(f.stat().st_size == CHUNK * 23_040 for f in files)
+    assert all(int(os.getxattr(f, "user.kvfs.stored_bytes")) < 0.8 * f.stat().st_size for f in files)
+    assert outputs(first) == outputs(baseline) and outputs(second) == outputs(baseline)
+    assert cached(first) == [0, 0, 0]
+    assert cached(second) == [(len(p) - 1) // CHUNK * CHUNK for p in prompts]
+    assert m.stats()["tiers"]["L2"]["hits"] >= len(files)

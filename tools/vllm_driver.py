@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def _env() -> None:
@@ -91,6 +94,37 @@ def _resolve(prompt, rounds: list, results: list) -> list[int]:
         r, i = prompt["extend"]
         return results[r][i]["prompt"] + results[r][i]["tokens"] + list(prompt["extra"])
     return list(prompt)
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def spawn(job: dict, logfile: Path, timeout: float = 900, env: dict | None = None) -> dict:
+    """Run `job` in a new engine process (its own session: everything it starts is killed afterwards, since
+    vLLM can leave engine processes behind). Returns the result plus the engine's log text under "log"."""
+    jobfile = Path(logfile).with_suffix(".json")
+    jobfile.write_text(json.dumps(job))
+    with open(logfile, "wb") as log:
+        proc = subprocess.Popen([sys.executable, __file__, str(jobfile)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    text = Path(logfile).read_text(errors="replace")
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    if proc.returncode != 0 or not last.startswith("{"):
+        raise EngineFailed(f"engine failed (status {proc.returncode}), log {logfile}:\n{text[-8000:]}")
+    result = json.loads(last)
+    result["log"] = text
+    return result
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ class KVFSMetadata(KVConnectorMetadata):
 class KVFSConnector(KVConnectorBase_V1):
     """Stores every full chunk of tokens' KV as a file in a kvfs mount and loads the longest existing prefix."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.guard = MountGuard(self.settings.mount, self.settings.require_mount)
@@ -180,7 +180,7 @@ def _layer_number(name: str) -> tuple:
     return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
 
 
-def unsupported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str | None:
+def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
     """Why this model or cache layout cannot use the connector (None if it can)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -201,7 +201,7 @@ def unsupported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> 
     return None
 
 
-def engine_layout(vllm_config: "VllmConfig", spec) -> str:
+def engine_layout(vllm_config: VllmConfig, spec) -> str:
     """The byte order of the engine's paged blocks, as a name (part of the namespace)."""
     from vllm.platforms import current_platform
 

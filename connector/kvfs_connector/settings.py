@@ -20,7 +20,7 @@ class Settings:
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> "Settings":
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
         extra = dict(extra or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - known)

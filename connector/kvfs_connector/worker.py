@@ -17,6 +17,7 @@ import collections
 import concurrent.futures as cf
 import logging
 import threading
+import time
 
 import torch
 import xxhash
@@ -70,11 +71,16 @@ class WorkerSide:
 
     def _read(self, spec: LoadSpec) -> torch.Tensor:
         """In a reader thread: the verified payload of one chunk file, as a tensor in payload order."""
-        expected = chunkfile.HEADER_SIZE + self.layout.payload_elements * self.layout.g.dtype.itemsize
-        buf = files.read_whole(spec.paths[self.rank], expected)
-        payload = chunkfile.verify(buf, first_token=spec.first_token, n_tokens=spec.n_tokens,
-                                   expected_tokens=spec.token_digest, descriptor=self.descriptor)
-        return self.layout.payload_view(payload)
+        t0 = time.thread_time()
+        try:
+            expected = chunkfile.HEADER_SIZE + self.layout.payload_elements * self.layout.g.dtype.itemsize
+            buf = files.read_whole(spec.paths[self.rank], expected)
+            payload = chunkfile.verify(buf, first_token=spec.first_token, n_tokens=spec.n_tokens,
+                                       expected_tokens=spec.token_digest, descriptor=self.descriptor)
+            return self.layout.payload_view(payload)
+        finally:
+            with self._lock:
+                self.stats["load_cpu_us"] += int((time.thread_time() - t0) * 1e6)
 
     def _resolve(self, load: _Load) -> None:
         if load.payload is not None or load.failed:
@@ -101,8 +107,14 @@ class WorkerSide:
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
-        if layer is None:
+        if layer is None or not self._loads:
             return
+        t0 = time.thread_time()
+        self._scatter(layer)
+        with self._lock:
+            self.stats["load_cpu_us"] += int((time.thread_time() - t0) * 1e6)
+
+    def _scatter(self, layer: int) -> None:
         for load in self._loads:
             self._resolve(load)
             if load.failed or layer in load.layers_done:

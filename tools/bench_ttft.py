@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""TTFT with KV loaded through kvfs vs recompute vs LMCache, on vLLM (CPU), SmolLM2-135M, bf16 — one run.
+
+Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits come from the connector):
+  recompute      no connector
+  kvfs-none      KVFSConnector on a kvfs mount with codec none          (chunks in L2, tmpfs)
+  kvfs-zstd      ... codec zstd
+  kvfs-deflate   ... codec deflate (ISA-L; the QAT format)
+  kvfs-L3        ... codec zstd, L2 of 1 MiB and --promote never: every chunk read from L3 (the SSD tier),
+                 its object files dropped from the page cache first (cold)
+  lmcache        LMCache 0.5.6 multiprocess mode, its fs L2 adapter on a plain directory (/var/tmp), the same
+                 chunk size (256) and the same memory budget as kvfs's L2 (its L1); the server is restarted
+                 between the storing and the measured engine, so its L1 starts empty, like kvfs's daemon-side
+                 cache: hits come from the fs backend (the file in the page cache), as kvfs's come from L2.
+
+Workloads (distinct token sequences from Python's standard library sources, never shared between prompts):
+  full hit     prompts of --lengths tokens (default 1024 2048 4096 8000), all chunks stored beforehand
+  multi-turn   turn 1: 1600-token prompt + 64 generated tokens (stored by the storing engine); measured: turn 2
+               = turn 1 + its answer + 256 new tokens = 1920 tokens, 1536 of them stored: 80% token hit rate
+each at concurrency 1 (--reps requests one after another) and 8 (8 requests submitted together).
+TTFT = submission to the engine step that produced the first token (max_tokens 1). Hit rate = stored prompt
+tokens / prompt tokens. Every connector arm must show external hit tokens > 0 in every round.
+
+The storing engines (kvfs, LMCache) run the same prompts first; the kvfs-none mount is the source the other
+kvfs mounts are filled from (files copied through the mount, xattrs first, so each mount encodes them with
+its own codec). CPU-s/GB: CPU time of the storage side (kvfs daemon / LMCache server process tree) and, for
+kvfs, of the connector's reader and scatter work, per GB of KV loaded (cached tokens x 23,040 B), over the
+measured engine's lifetime.
+
+    .venv/bin/python tools/bench_ttft.py [--lengths ...] [--reps 3] [--concurrency 1 8] [--arms ...]
+Table on stdout, JSON in bench-results/bench_ttft.json, PNG (TTFT p50 vs prompt length) beside it.
+Needs tools/install_vllm.sh (vLLM, the model, LMCache). About 20 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+TOOLS = Path(__file__).resolve().parent
+REPO = TOOLS.parent
+sys.path.insert(0, str(TOOLS))
+import lmcache_mp
+import vllm_driver
+from bench_tiers import fadvise_dontneed
+
+MODEL = REPO / ".venv/opt/models/SmolLM2-135M-Instruct"
+KVFS = [sys.executable, "-m", "kvfs"]
+BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16: all layers' K and V
+CHUNK = 256
+TURN1, ANSWER, FOLLOW_UP = 1600, 64, 256
+ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-deflate", "kvfs-L3", "lmcache"]
+ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3}
+ENV = {"PYTHONHASHSEED": "0"}
+MEMORY_BUDGET = "5G"  # kvfs L2 and LMCache L1 alike
+L1_GIB = 5.0
+
+
+# -- prompts ------------------------------------------------------------------------------------------------
+def token_pool(need: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    stdlib = Path(os.__file__).parent
+    pool: list[int] = []
+    for path in sorted(stdlib.glob("*.py")):
+        pool += tok(path.read_text(errors="replace"))["input_ids"]
+        if len(pool) >= need:
+            return pool
+    raise SystemExit("not enough text for the prompts")
+
+
+def make_workloads(lengths: list[int], reps: int, concurrency: list[int]) -> dict:
+    """Full-hit prompts are shared by the concurrency levels (the first `reps` run one at a time): a measured
+    engine stores nothing new for them. Conversations are separate per level: turn 2 of a measured engine
+    stores its new chunk, which must not become a hit for the other level."""
+    per_conc = {c: (reps if c == 1 else c) for c in concurrency}
+    n_full = max(per_conc.values())
+    need = n_full * sum(lengths) + sum(per_conc.values()) * (TURN1 + FOLLOW_UP) + 10_000
+    pool = token_pool(need)
+    at = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal at
+        at += n
+        return pool[at - n:at]
+
+    prompts = {L: [take(L) for _ in range(n_full)] for L in lengths}
+    full = {c: {L: ps[:k] for L, ps in prompts.items()} for c, k in per_conc.items()}
+    turn1 = {c: [take(TURN1) for _ in range(k)] for c, k in per_conc.items()}
+    follow = {c: [take(FOLLOW_UP) for _ in range(k)] for c, k in per_conc.items()}
+    return {"prompts": prompts, "full": full, "turn1": turn1, "follow": follow, "n_full": n_full}
+
+
+def store_rounds(w: dict) -> list[dict]:
+    rounds = [{"prompts": ps, "max_tokens": 1, "concurrency": w["n_full"], "label": f"store full {L}"}
+              for L, ps in w["prompts"].items()]
+    rounds += [{"prompts": ps, "max_tokens": ANSWER, "concurrency": c, "label": f"store turn1 c{c}"}
+               for c, ps in w["turn1"].items()]
+    return rounds
+
+
+def measure_rounds(w: dict, turn2: dict) -> list[dict]:
+    rounds = [{"prompts": ps, "max_tokens": 1, "concurrency": c, "label": f"full {L} c{c}", "kind": "full",
+               "length": L, "conc": c} for c, by_len in w["full"].items() for L, ps in by_len.items()]
+    rounds += [{"prompts": ps, "max_tokens": 1, "concurrency": c, "label": f"multi-turn c{c}", "kind": "multi-turn",
+                "length": len(ps[0]), "conc": c} for c, ps in turn2.items()]
+    return rounds
+
+
+# -- processes ----------------------------------------------------------------------------------------------
+def cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class Mount:
+    def __init__(self, work: Path, name: str, *args: str, l2_size: str = MEMORY_BUDGET) -> None:
+        self.dir = work / name
+        self.mountpoint = self.dir / "mnt"
+        self.mountpoint.mkdir(parents=True)
+        self.l2 = Path(tempfile.mkdtemp(prefix=f"kvfs-bench-{name}-", dir="/dev/shm"))
+        self.args = ["--l2", f"{self.l2}:{l2_size}", "--state-dir", str(self.dir / "state"), *args]
+        subprocess.run([*KVFS, "mount", str(self.mountpoint), *self.args], check=True, capture_output=True)
+
+    def stats(self) -> dict:
+        return json.loads((self.mountpoint / ".kvfs" / "stats").read_bytes())
+
+    def umount(self) -> None:
+        subprocess.run([*KVFS, "umount", str(self.mountpoint)], check=True, capture_output=True)
+        shutil.rmtree(self.l2, ignore_errors=True)
+        shutil.rmtree(self.dir / "state", ignore_errors=True)
+
+
+def copy_chunks(src: Path, dst: Path) -> int:
+    """Copy every chunk file as the connector writes it: dtype and shape xattrs before the data."""
+    n = 0
+    for f in sorted(src.glob("*/*/*.kv")):
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for name in ("user.kvfs.dtype", "user.kvfs.shape"):
+                os.setxattr(fd, name, os.getxattr(f, name))
+            data = f.read_bytes()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        n += 1
+    return n
+
+
+def kvfs_connector(mount: Path) -> dict:
+    return {"kv_connector": "KVFSConnector", "kv_connector_module_path": "kvfs_connector",
+            "kv_connector_extra_config": {"mount": str(mount)}}
+
+
+def engine(work: Path, name: str, rounds: list[dict], connector: dict | None) -> dict:
+    job = {"model": str(MODEL), "connector": connector, "rounds": rounds, **ENGINE}
+    return vllm_driver.spawn(job, work / f"{name}.log", timeout=3600, env=ENV)
+
+
+def connector_stats(log: str) -> dict:
+    """The worker's shutdown line: kvfs connector: {'loaded_chunks': ..., 'load_cpu_us': ...}."""
+    out: dict = {}
+    for line in log.splitlines():
+        if "kvfs connector: {" in line and "loaded" in line:
+            out = ast.literal_eval(line.split("kvfs connector: ", 1)[1])
+    return out
+
+
+# -- arms ---------------------------------------------------------------------------------------------------
+def measure(work: Path, arm: str, rounds: list[dict], connector: dict | None, storage_pid: int | None) -> dict:
+    cpu0 = cpu_seconds(storage_pid)
+    result = engine(work, f"measure-{arm}", rounds, connector)
+    storage_cpu = cpu_seconds(storage_pid) - cpu0
+    loaded = sum(r["num_cached_tokens"] for rnd in result["rounds"] for r in rnd) * BYTES_PER_TOKEN
+    if connector is not None:
+        for rnd, spec in zip(result["rounds"], rounds):
+            if sum(r["num_cached_tokens"] for r in rnd) <= 0:
+                raise SystemExit(f"{arm}: no external hit tokens in round {spec['label']}")
+    conn = connector_stats(result["log"])
+    return {"rounds": result["rounds"], "engine_start_s": result["engine_start_s"], "loaded_bytes": loaded,
+            "storage_cpu_s": storage_cpu, "connector_cpu_s": conn.get("load_cpu_us", 0) / 1e6,
+            "connector_stats": conn}
+
+
+def summarize(arm_result: dict, rounds: list[dict]) -> list[dict]:
+    rows = []
+    for rnd, spec in zip(arm_result["rounds"], rounds):
+        ttft = sorted(r["ttft_s"] for r in rnd)
+        hit = sum(r["num_cached_tokens"] for r in rnd) / sum(r["prompt_tokens"] for r in rnd)
+        rows.append({"kind": spec["kind"], "length": spec["length"], "conc": spec["conc"], "n": len(ttft),
+                     "ttft_p50_s": statistics.median(ttft),
+                     "ttft_p90_s": ttft[min(len(ttft) - 1, round(0.9 * (len(ttft) - 1)))],
+                     "hit_rate": hit})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
+    ap.add_argument("--reps", type=int, default=3, help="requests per length at concurrency 1")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_ttft.json")
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    work = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=args.workdir))
+    print(f"work dir {work}", flush=True)
+    w = make_workloads(args.lengths, args.reps, args.concurrency)
+    results: dict[str, dict] = {}
+    t_start = time.time()
+    source = None
+    try:
+        kvfs_arms = [a for a in args.arms if a.startswith("kvfs")]
+        turn2 = None
+        if kvfs_arms:
+            source = Mount(work, "kvfs-none", "--codec", "none")
+            stored = engine(work, "store-kvfs", store_rounds(w), kvfs_connector(source.mountpoint))
+            answers = stored["rounds"][len(store_rounds(w)) - len(w["turn1"]):]
+            turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
+                     for c, ans in zip(w["turn1"], answers)}
+            print(f"stored: {len(list(source.mountpoint.glob('*/*/*.kv')))} chunk files", flush=True)
+        if "lmcache" in args.arms:
+            lm_dir = work / "lmcache-l2"
+            proc, conn = lmcache_mp.start_server(str(lm_dir), CHUNK, l1_gib=L1_GIB, skip_l1=False,
+                                                 log_path=str(work / "lmcache-server-store.log"))
+            try:
+                stored_lm = engine(work, "store-lmcache", store_rounds(w), conn)
+                lmcache_mp.wait_stores_settled(proc, 300)
+            finally:
+                lmcache_mp.stop_server(proc)
+            if turn2 is None:
+                answers = stored_lm["rounds"][len(store_rounds(w)) - len(w["turn1"]):]
+                turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
+                         for c, ans in zip(w["turn1"], answers)}
+        if turn2 is None:  # recompute only: turn 2 from a recompute engine's answers
+            answers = engine(work, "turn1", store_rounds(w)[-len(w["turn1"]):], None)["rounds"]
+            turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
+                     for c, ans in zip(w["turn1"], answers)}
+        rounds = measure_rounds(w, turn2)
+        for arm in args.arms:
+            print(f"arm {arm} ...", flush=True)
+            if arm == "recompute":
+                results[arm] = measure(work, arm, rounds, None, None)
+            elif arm == "kvfs-none":
+                results[arm] = measure(work, arm, rounds, kvfs_connector(source.mountpoint),
+                                       source.stats()["pid"])
+            elif arm in ("kvfs-zstd", "kvfs-deflate", "kvfs-L3"):
+                extra = {"kvfs-zstd": ["--codec", "zstd"], "kvfs-deflate": ["--codec", "deflate"],
+                         "kvfs-L3": ["--codec", "zstd", "--promote", "never", "--l3",
+                                     f"{work / arm / 'l3'}:32G"]}[arm]
+                m = Mount(work, arm, *extra, l2_size="1M" if arm == "kvfs-L3" else MEMORY_BUDGET)
+                try:
+                    copy_chunks(source.mountpoint, m.mountpoint)
+                    st = m.stats()
+                    if arm == "kvfs-L3":
+                        assert st["tiers"]["L2"]["files"] == 0, st["tiers"]
+                        subprocess.run(["sync"], check=True)
+                        for obj in (work / arm / "l3").rglob("*"):
+                            if obj.is_file():
+                                fadvise_dontneed(obj)
+                    results[arm] = measure(work, arm, rounds, kvfs_connector(m.mountpoint), st["pid"])
+                    results[arm]["stored_ratio"] = st["compression_ratio"]
+                finally:
+                    m.umount()
+            elif arm == "lmcache":
+                proc, conn = lmcache_mp.start_server(str(work / "lmcache-l2"), CHUNK, l1_gib=L1_GIB, skip_l1=False,
+                                                     log_path=str(work / "lmcache-server-measure.log"))
+                try:
+                    results[arm] = measure(work, arm, rounds, conn, proc.pid)
+                finally:
+                    lmcache_mp.stop_server(proc)
+            results[arm]["rows"] = summarize(results[arm], rounds)
+            print(f"arm {arm} done", flush=True)
+    finally:
+        if source is not None:
+            source.umount()
+    doc = {"bench": "ttft", "model": "SmolLM2-135M-Instruct bf16, vLLM 0.32 CPU", "chunk_tokens": CHUNK,
+           "lengths": args.lengths, "reps": args.reps, "concurrency": args.concurrency,
+           "elapsed_s": time.time() - t_start,
+           "arms": {a: {k: v for k, v in r.items() if k != "rounds"} for a, r in results.items()}}
+    doc["targets"] = targets(doc["arms"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print_table(doc)
+    plot(doc, args.out.with_suffix(".png"))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _row(arms: dict, arm: str, kind: str, conc: int, length: int | None = None) -> dict | None:
+    for r in arms.get(arm, {}).get("rows", []):
+        if r["kind"] == kind and r["conc"] == conc and (length is None or r["length"] == length):
+            return r
+    return None
+
+
+def targets(arms: dict) -> list[dict]:
+    out = []
+    rec = arms.get("recompute")
+    for arm in [a for a in arms if a.startswith("kvfs")]:
+        for r in arms[arm]["rows"]:
+            base = _row(arms, "recompute", r["kind"], r["conc"], r["length"]) if rec else None
+            if base is None:
+                continue
+            speedup = base["ttft_p50_s"] / r["ttft_p50_s"]
+            if r["kind"] == "full" and r["length"] >= 4096:
+                out.append({"target": f"{arm} full hit {r['length']} c{r['conc']}: TTFT <= recompute/10",
+                            "value": round(speedup, 2), "pass": speedup >= 10})
+            if r["kind"] == "multi-turn":
+                out.append({"target": f"{arm} multi-turn (80% hit) c{r['conc']}: >= 4x faster",
+                            "value": round(speedup, 2), "pass": speedup >= 4})
+    if "kvfs-none" in arms:
+        for arm in ("kvfs-zstd", "kvfs-deflate"):
+            for r in arms.get(arm, {}).get("rows", []):
+                none = _row(arms, "kvfs-none", r["kind"], r["conc"], r["length"])
+                ratio = r["ttft_p50_s"] / none["ttft_p50_s"]
+                out.append({"target": f"{arm} {r['kind']} {r['length']} c{r['conc']}: within 5% of codec none",
+                            "value": round(ratio, 3), "pass": ratio <= 1.05})
+    if "lmcache" in arms:
+        for arm in ("kvfs-zstd", "kvfs-none"):
+            for c in sorted({r["conc"] for r in arms.get(arm, {}).get("rows", [])}):
+                mine = [r["ttft_p50_s"] for r in arms[arm]["rows"] if r["conc"] == c]
+                theirs = [r["ttft_p50_s"] for r in arms["lmcache"]["rows"] if r["conc"] == c]
+                ratio = statistics.geometric_mean([a / b for a, b in zip(mine, theirs)])
+                out.append({"target": f"{arm} <= LMCache at c{c} (geometric mean of TTFT ratios)",
+                            "value": round(ratio, 3), "pass": ratio <= 1.0})
+    return out
+
+
+def print_table(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    arms = doc["arms"]
+    table = Table(title="TTFT p50 / p90 (s), hit rate — SmolLM2-135M bf16, vLLM CPU")
+    table.add_column("workload")
+    for a in arms:
+        table.add_column(a, justify="right")
+    keys = [(r["kind"], r["length"], r["conc"]) for r in next(iter(arms.values()))["rows"]]
+    for kind, length, conc in keys:
+        cells = []
+        for a in arms:
+            r = _row(arms, a, kind, conc, length)
+            cells.append(f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f}\n{r['hit_rate']:.0%} hit" if r else "-")
+        table.add_row(f"{kind} {length} c{conc}", *cells)
+    cpu = []
+    for a, r in arms.items():
+        gb = r["loaded_bytes"] / 1e9
+        cpu.append(f"{r['storage_cpu_s'] / gb:.2f} + {r['connector_cpu_s'] / gb:.2f}" if gb else "-")
+    table.add_row("CPU-s/GB loaded\n(storage + connector)", *cpu)
+    console = Console()
+    console.print(table)
+    for t in doc["targets"]:
+        console.print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['value']}")
+
+
+def plot(doc: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot")
+        return
+    concs = sorted({r["conc"] for a in doc["arms"].values() for r in a["rows"]})
+    fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], concs):
+        for arm, r in doc["arms"].items():
+            pts = sorted((x["length"], x["ttft_p50_s"]) for x in r["rows"] if x["kind"] == "full" and x["conc"] == c)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens (full hit)")
+        ax.set_ylabel("TTFT p50 (s)")
+        ax.set_title(f"concurrency {c}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("vLLM CPU, SmolLM2-135M bf16: TTFT with KV from kvfs vs recompute vs LMCache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
