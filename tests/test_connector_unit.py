@@ -207,14 +207,17 @@ def test_planner_longest_prefix_never_the_last_token(tmp_path):
     assert p.lookup(req, 0) == 256
     _touch(p, req, 1)
     _touch(p, req, 3)
-    # 1024 prompt tokens: the last one is computed, so the hit ends at block 7 (896 tokens), inside chunk 3
-    assert p.lookup(req, 0) == 896
-    assert p.lookup(req, 128) == 768  # vLLM's own prefix cache had the first block
-    p.allocated(req, list(range(100, 108)), 768)
+    # 1024 prompt tokens: all four chunks are there, but the last token must be computed
+    assert p.lookup(req, 0) == 1023
+    assert p.lookup(req, 128) == 895  # vLLM's own prefix cache had the first block
+    p.allocated(req, list(range(100, 108)), 895)
     loads, _ = p.step(types.SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=_no_cached(),
                                             preempted_req_ids=set(), num_scheduled_tokens={}))
     assert [(s.first_token, s.block_ids, s.first_block, s.end_block) for s in loads] == [
-        (0, [100, 101], 1, 2), (256, [102, 103], 0, 2), (512, [104, 105], 0, 2), (768, [106, 107], 0, 1)]
+        (0, [100, 101], 1, 2), (256, [102, 103], 0, 2), (512, [104, 105], 0, 2), (768, [106, 107], 0, 2)]
+    # a prompt that ends inside a stored chunk's range: that chunk has no hash yet, so it is no hit
+    short = FakeRequest("s", list(range(1000)), 1000)
+    assert p.lookup(short, 0) == 768
     assert loads[0].token_digest == chunkfile.token_digest(range(256))
 
 
@@ -349,3 +352,28 @@ def test_worker_load_missing_a_layer_is_a_load_error(tmp_path):
     w.finish_loads()
     assert w.take_failed_blocks() == {0, 1}
     w.shutdown()
+
+
+def test_unsupported_models_and_caches_are_named():
+    """MLA, several KV-cache groups, sliding window, quantised KV: the connector disables itself (one log line)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from kvfs_connector.connector import unsupported
+
+    def config(spec_list, use_mla=False, window=None, cache_dtype="auto"):
+        vc = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=use_mla, get_sliding_window=lambda: window),
+                                   cache_config=types.SimpleNamespace(cache_dtype=cache_dtype))
+        kc = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=s) for s in spec_list])
+        return vc, kc
+
+    full = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    assert unsupported(*config([full])) is None
+    assert "MLA" in unsupported(*config([full], use_mla=True))
+    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert "MLA" in unsupported(*config([mla]))
+    assert "2 KV-cache groups" in unsupported(*config([full, full]))
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=4096)
+    assert "sliding" in unsupported(*config([window]))
+    assert "sliding" in unsupported(*config([full], window=4096))
+    assert "fp8" in unsupported(*config([full], cache_dtype="fp8_e4m3"))

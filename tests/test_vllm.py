@@ -95,8 +95,8 @@ def chunk_files(mount: Path) -> list[Path]:
 
 
 def expected_hit(prompt_len: int, stored_tokens: int) -> int:
-    """What a fresh engine should load: whole stored chunks, block-aligned, never the last prompt token."""
-    return min(stored_tokens // CHUNK * CHUNK, (prompt_len - 1) // BLOCK * BLOCK)
+    """What a fresh engine should load: the stored chunks inside the prompt, never the last prompt token."""
+    return min(stored_tokens // CHUNK * CHUNK, prompt_len // CHUNK * CHUNK, prompt_len - 1)
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +264,15 @@ def test_dead_mount_is_a_miss(make_mount, baseline, prompts, workdir):
     assert outputs(result) == outputs(baseline)
     assert cached(result) == [0, 0, 0]
     assert "acting as a miss" in result["log"]
+
+
+def test_unsupported_cache_disables_the_connector_and_the_engine_runs(make_mount, prompts, workdir):
+    m = make_mount("fp8").start()
+    result = run_engine(workdir / "fp8", [{"prompts": prompts[:1], **ROUND}], connector(m.mountpoint),
+                        kv_cache_dtype="fp8_e4m3")
+    assert len(outputs(result)[0]) == ROUND["max_tokens"] and cached(result) == [0]
+    assert "kvfs connector disabled: KV cache dtype fp8_e4m3 (quantised KV) is not supported" in result["log"]
+    assert chunk_files(m.mountpoint) == []
 
 
 def test_lmcache_fs_backend_in_a_kvfs_directory(make_mount, baseline, prompts, workdir):

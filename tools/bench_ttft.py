@@ -12,18 +12,21 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
                  chunk size (256) and the same memory budget as kvfs's L2 (its L1); the server is restarted
                  between the storing and the measured engine, so its L1 starts empty, like kvfs's daemon-side
                  cache: hits come from the fs backend (the file in the page cache), as kvfs's come from L2.
+  vllm-prefix-cache  the ceiling: no connector, vLLM's own prefix cache on, the storing rounds run first in
+                 the same engine, so the hits are blocks already in the engine's KV cache (loading costs
+                 nothing); what is left is computing the tokens that are not hits.
 
 Workloads (distinct token sequences from Python's standard library sources, never shared between prompts):
   full hit     prompts of --lengths tokens (default 1024 2048 4096 8000), all chunks stored beforehand
-  multi-turn   turn 1: 1600-token prompt + 64 generated tokens (stored by the storing engine); measured: turn 2
-               = turn 1 + its answer + 256 new tokens = 1920 tokens, 1536 of them stored: 80% token hit rate
+  multi-turn   turn 1: 3200-token prompt + 64 generated tokens (stored by the storing engine); measured: turn 2
+               = turn 1 + its answer + 576 new tokens = 3840 tokens, 3072 of them stored: 80% token hit rate
 each at concurrency 1 (--reps requests one after another) and 8 (8 requests submitted together).
 TTFT = submission to the engine step that produced the first token (max_tokens 1). Hit rate = stored prompt
 tokens / prompt tokens. Every connector arm must show external hit tokens > 0 in every round.
 
-The storing engines (kvfs, LMCache) run the same prompts first; the kvfs-none mount is the source the other
-kvfs mounts are filled from (files copied through the mount, xattrs first, so each mount encodes them with
-its own codec). CPU-s/GB: CPU time of the storage side (kvfs daemon / LMCache server process tree) and, for
+The storing engines (kvfs, LMCache) run the same prompts first; the chunk files the kvfs one stored are kept
+in a plain directory, and every kvfs arm's fresh mount is filled from there (copied through the mount, xattrs
+first, so each mount encodes them with its own codec). CPU-s/GB: CPU time of the storage side (kvfs daemon / LMCache server process tree) and, for
 kvfs, of the connector's reader and scatter work, per GB of KV loaded (cached tokens x 23,040 B), over the
 measured engine's lifetime.
 
@@ -59,8 +62,8 @@ MODEL = REPO / ".venv/opt/models/SmolLM2-135M-Instruct"
 KVFS = [sys.executable, "-m", "kvfs"]
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16: all layers' K and V
 CHUNK = 256
-TURN1, ANSWER, FOLLOW_UP = 1600, 64, 256
-ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-deflate", "kvfs-L3", "lmcache"]
+TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
+ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-deflate", "kvfs-L3", "lmcache", "vllm-prefix-cache"]
 ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3}
 ENV = {"PYTHONHASHSEED": "0"}
 MEMORY_BUDGET = "5G"  # kvfs L2 and LMCache L1 alike
@@ -181,8 +184,8 @@ def kvfs_connector(mount: Path) -> dict:
             "kv_connector_extra_config": {"mount": str(mount)}}
 
 
-def engine(work: Path, name: str, rounds: list[dict], connector: dict | None) -> dict:
-    job = {"model": str(MODEL), "connector": connector, "rounds": rounds, **ENGINE}
+def engine(work: Path, name: str, rounds: list[dict], connector: dict | None, **extra) -> dict:
+    job = {"model": str(MODEL), "connector": connector, "rounds": rounds, **ENGINE, **extra}
     return vllm_driver.spawn(job, work / f"{name}.log", timeout=3600, env=ENV)
 
 
@@ -196,12 +199,18 @@ def connector_stats(log: str) -> dict:
 
 
 # -- arms ---------------------------------------------------------------------------------------------------
-def measure(work: Path, arm: str, rounds: list[dict], connector: dict | None, storage_pid: int | None) -> dict:
+def measure(work: Path, arm: str, rounds: list[dict], connector: dict | None, storage_pid: int | None,
+            warmup: list[dict] | None = None) -> dict:
     cpu0 = cpu_seconds(storage_pid)
-    result = engine(work, f"measure-{arm}", rounds, connector)
+    if warmup:  # the ceiling arm: the same engine computes the stored rounds first (prefix cache on)
+        result = engine(work, f"measure-{arm}", warmup + rounds, None, prefix_caching=True,
+                        kv_cache_gib=ENGINE["kv_cache_gib"] * 3)
+        result["rounds"] = result["rounds"][len(warmup):]
+    else:
+        result = engine(work, f"measure-{arm}", rounds, connector)
     storage_cpu = cpu_seconds(storage_pid) - cpu0
     loaded = sum(r["num_cached_tokens"] for rnd in result["rounds"] for r in rnd) * BYTES_PER_TOKEN
-    if connector is not None:
+    if connector is not None or warmup:
         for rnd, spec in zip(result["rounds"], rounds):
             if sum(r["num_cached_tokens"] for r in rnd) <= 0:
                 raise SystemExit(f"{arm}: no external hit tokens in round {spec['label']}")
@@ -229,26 +238,33 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="requests per length at concurrency 1")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
+    ap.add_argument("--workloads", nargs="+", default=["full", "multi-turn"], choices=["full", "multi-turn"])
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_ttft.json")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=args.workdir))
     print(f"work dir {work}", flush=True)
-    w = make_workloads(args.lengths, args.reps, args.concurrency)
+    w = make_workloads(args.lengths if "full" in args.workloads else [], args.reps, args.concurrency)
+    if "multi-turn" not in args.workloads:
+        w["turn1"] = w["follow"] = {}
     results: dict[str, dict] = {}
     t_start = time.time()
     source = None
     try:
         kvfs_arms = [a for a in args.arms if a.startswith("kvfs")]
         turn2 = None
+        snapshot = work / "chunks"
         if kvfs_arms:
-            source = Mount(work, "kvfs-none", "--codec", "none")
+            source = Mount(work, "store", "--codec", "none")
             stored = engine(work, "store-kvfs", store_rounds(w), kvfs_connector(source.mountpoint))
             answers = stored["rounds"][len(store_rounds(w)) - len(w["turn1"]):]
             turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
                      for c, ans in zip(w["turn1"], answers)}
-            print(f"stored: {len(list(source.mountpoint.glob('*/*/*.kv')))} chunk files", flush=True)
+            # every kvfs arm starts from these files (a measured engine stores its new chunks)
+            print(f"stored: {copy_chunks(source.mountpoint, snapshot)} chunk files", flush=True)
+            source.umount()
+            source = None
         if "lmcache" in args.arms:
             lm_dir = work / "lmcache-l2"
             proc, conn = lmcache_mp.start_server(str(lm_dir), CHUNK, l1_gib=L1_GIB, skip_l1=False,
@@ -266,21 +282,21 @@ def main() -> int:
             answers = engine(work, "turn1", store_rounds(w)[-len(w["turn1"]):], None)["rounds"]
             turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
                      for c, ans in zip(w["turn1"], answers)}
-        rounds = measure_rounds(w, turn2)
+        rounds = measure_rounds(w, turn2 or {})
         for arm in args.arms:
             print(f"arm {arm} ...", flush=True)
             if arm == "recompute":
                 results[arm] = measure(work, arm, rounds, None, None)
-            elif arm == "kvfs-none":
-                results[arm] = measure(work, arm, rounds, kvfs_connector(source.mountpoint),
-                                       source.stats()["pid"])
-            elif arm in ("kvfs-zstd", "kvfs-deflate", "kvfs-L3"):
-                extra = {"kvfs-zstd": ["--codec", "zstd"], "kvfs-deflate": ["--codec", "deflate"],
+            elif arm == "vllm-prefix-cache":
+                results[arm] = measure(work, arm, rounds, None, None, warmup=store_rounds(w))
+            elif arm.startswith("kvfs"):
+                extra = {"kvfs-none": ["--codec", "none"], "kvfs-zstd": ["--codec", "zstd"],
+                         "kvfs-deflate": ["--codec", "deflate"],
                          "kvfs-L3": ["--codec", "zstd", "--promote", "never", "--l3",
                                      f"{work / arm / 'l3'}:32G"]}[arm]
                 m = Mount(work, arm, *extra, l2_size="1M" if arm == "kvfs-L3" else MEMORY_BUDGET)
                 try:
-                    copy_chunks(source.mountpoint, m.mountpoint)
+                    copy_chunks(snapshot, m.mountpoint)
                     st = m.stats()
                     if arm == "kvfs-L3":
                         assert st["tiers"]["L2"]["files"] == 0, st["tiers"]

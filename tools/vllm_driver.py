@@ -49,6 +49,8 @@ def run(job: dict) -> dict:
                   max_num_batched_tokens=job.get("max_num_batched_tokens", job.get("max_model_len", 8192)))
     if job.get("block_size"):
         kwargs["block_size"] = job["block_size"]
+    if job.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = job["kv_cache_dtype"]
     if job.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = job["num_gpu_blocks_override"]
     if job.get("connector"):

@@ -182,12 +182,12 @@ def _layer_number(name: str) -> tuple:
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
     """Why this model or cache layout cannot use the connector (None if it can)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     mc = vllm_config.model_config
-    if getattr(mc, "use_mla", False):
-        return "MLA attention is not supported"
     groups = kv_cache_config.kv_cache_groups
+    if getattr(mc, "use_mla", False) or any(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups):
+        return "MLA attention is not supported"
     if len(groups) != 1:
         return f"{len(groups)} KV-cache groups (hybrid or sliding-window models) are not supported"
     spec = groups[0].kv_cache_spec
@@ -195,6 +195,8 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str 
         return f"KV cache spec {type(spec).__name__} (sliding window or non-attention layers) is not supported"
     if getattr(mc, "get_sliding_window", lambda: None)():
         return "sliding-window attention is not supported"
+    if getattr(spec, "head_size_v", None) not in (None, spec.head_size):
+        return "K and V of different head sizes are not supported"
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
         return f"KV cache dtype {cache_dtype} (quantised KV) is not supported"

@@ -83,10 +83,11 @@ class Planner:
 
     # -- lookups ---------------------------------------------------------------------------------------
     def lookup(self, request, num_computed_tokens: int) -> int:
-        """Tokens beyond num_computed_tokens that chunk files can provide (block-aligned, never the last
-        prompt token: vLLM must compute at least one token to sample from)."""
+        """Tokens beyond num_computed_tokens that chunk files can provide: whole chunks inside the prompt, but
+        never the last prompt token (vLLM must compute at least one token to sample from). The hit may end
+        inside a block: its slots beyond the hit are written by the load and again by vLLM's own compute."""
         prompt_len = len(request.prompt_token_ids or ())
-        limit = (prompt_len - 1) // self.block_size * self.block_size
+        limit = prompt_len - 1
         found = 0
         if limit > 0 and self.guard.usable():
             found = self._count_existing(request, limit)
@@ -127,7 +128,7 @@ class Planner:
             blocks = state.block_ids[k * per_chunk:(k + 1) * per_chunk]
             self._loads.append(LoadSpec(
                 req_id, paths, start, C, token_digest(request.all_token_ids[:start + C]), blocks,
-                first_block=max(0, (local - start) // bs), end_block=min(per_chunk, (hit - start) // bs)))
+                first_block=max(0, (local - start) // bs), end_block=min(per_chunk, -(-(hit - start) // bs))))
         self.stats["hit_tokens"] += num_external_tokens
 
     # -- per step --------------------------------------------------------------------------------------
