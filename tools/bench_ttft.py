@@ -20,7 +20,8 @@ Workloads (distinct token sequences from Python's standard library sources, neve
   full hit     prompts of --lengths tokens (default 1024 2048 4096 8000), all chunks stored beforehand
   multi-turn   turn 1: 3200-token prompt + 64 generated tokens (stored by the storing engine); measured: turn 2
                = turn 1 + its answer + 576 new tokens = 3840 tokens, 3072 of them stored: 80% token hit rate
-each at concurrency 1 (--reps requests one after another) and 8 (8 requests submitted together).
+each at concurrency 1 (--reps requests one after another) and 8 (8 requests submitted together), after
+one unmeasured warm-up request per length and one warm-up conversation in every measured engine.
 TTFT = submission to the engine step that produced the first token (max_tokens 1). Hit rate = stored prompt
 tokens / prompt tokens. Every connector arm must show external hit tokens > 0 in every round.
 
@@ -99,26 +100,37 @@ def make_workloads(lengths: list[int], reps: int, concurrency: list[int]) -> dic
         at += n
         return pool[at - n:at]
 
-    prompts = {L: [take(L) for _ in range(n_full)] for L in lengths}
-    full = {c: {L: ps[:k] for L, ps in prompts.items()} for c, k in per_conc.items()}
-    turn1 = {c: [take(TURN1) for _ in range(k)] for c, k in per_conc.items()}
-    follow = {c: [take(FOLLOW_UP) for _ in range(k)] for c, k in per_conc.items()}
-    return {"prompts": prompts, "full": full, "turn1": turn1, "follow": follow, "n_full": n_full}
+    # one more prompt per length (and one more conversation) warms each measured engine up, unmeasured:
+    # the first request of a new length pays for the engine's first use of that shape (seen: 0.28 s vs
+    # 0.09 s for the next one, with and without kvfs)
+    prompts = {L: [take(L) for _ in range(n_full + 1)] for L in lengths}
+    full = {c: {L: ps[1:k + 1] for L, ps in prompts.items()} for c, k in per_conc.items()}
+    full["warmup"] = {L: ps[:1] for L, ps in prompts.items()}
+    turn1 = {c: [take(TURN1) for _ in range(k)] for c, k in [*per_conc.items(), ("warmup", 1)]}
+    follow = {c: [take(FOLLOW_UP) for _ in range(len(ps))] for c, ps in turn1.items()}
+    return {"prompts": prompts, "full": full, "turn1": turn1, "follow": follow, "n_full": n_full + 1}
 
 
 def store_rounds(w: dict) -> list[dict]:
     rounds = [{"prompts": ps, "max_tokens": 1, "concurrency": w["n_full"], "label": f"store full {L}"}
               for L, ps in w["prompts"].items()]
-    rounds += [{"prompts": ps, "max_tokens": ANSWER, "concurrency": c, "label": f"store turn1 c{c}"}
+    rounds += [{"prompts": ps, "max_tokens": ANSWER, "concurrency": len(ps), "label": f"store turn1 c{c}"}
                for c, ps in w["turn1"].items()]
     return rounds
 
 
 def measure_rounds(w: dict, turn2: dict) -> list[dict]:
-    rounds = [{"prompts": ps, "max_tokens": 1, "concurrency": c, "label": f"full {L} c{c}", "kind": "full",
-               "length": L, "conc": c} for c, by_len in w["full"].items() for L, ps in by_len.items()]
-    rounds += [{"prompts": ps, "max_tokens": 1, "concurrency": c, "label": f"multi-turn c{c}", "kind": "multi-turn",
-                "length": len(ps[0]), "conc": c} for c, ps in turn2.items()]
+    """Warm-up rounds first (kind "warmup": not reported), then the measured ones."""
+    def kind(c, k):
+        return "warmup" if c == "warmup" else k
+
+    full = sorted(w["full"].items(), key=lambda kv: kv[0] != "warmup")
+    rounds = [{"prompts": ps, "max_tokens": 1, "concurrency": 1 if c == "warmup" else c, "label": f"full {L} c{c}",
+               "kind": kind(c, "full"), "length": L, "conc": c} for c, by_len in full for L, ps in by_len.items()]
+    convs = sorted(turn2.items(), key=lambda kv: kv[0] != "warmup")
+    rounds += [{"prompts": ps, "max_tokens": 1, "concurrency": 1 if c == "warmup" else c,
+                "label": f"multi-turn c{c}", "kind": kind(c, "multi-turn"), "length": len(ps[0]), "conc": c}
+               for c, ps in convs]
     return rounds
 
 
@@ -223,6 +235,8 @@ def measure(work: Path, arm: str, rounds: list[dict], connector: dict | None, st
 def summarize(arm_result: dict, rounds: list[dict]) -> list[dict]:
     rows = []
     for rnd, spec in zip(arm_result["rounds"], rounds):
+        if spec["kind"] == "warmup":
+            continue
         ttft = sorted(r["ttft_s"] for r in rnd)
         hit = sum(r["num_cached_tokens"] for r in rnd) / sum(r["prompt_tokens"] for r in rnd)
         rows.append({"kind": spec["kind"], "length": spec["length"], "conc": spec["conc"], "n": len(ttft),
@@ -235,7 +249,7 @@ def summarize(arm_result: dict, rounds: list[dict]) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
-    ap.add_argument("--reps", type=int, default=3, help="requests per length at concurrency 1")
+    ap.add_argument("--reps", type=int, default=5, help="requests per length at concurrency 1")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
     ap.add_argument("--workloads", nargs="+", default=["full", "multi-turn"], choices=["full", "multi-turn"])
