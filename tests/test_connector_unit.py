@@ -377,3 +377,15 @@ def test_unsupported_models_and_caches_are_named():
     assert "sliding" in unsupported(*config([window]))
     assert "sliding" in unsupported(*config([full], window=4096))
     assert "fp8" in unsupported(*config([full], cache_dtype="fp8_e4m3"))
+
+
+def test_mount_guard_only_a_gone_mount_turns_everything_into_misses(tmp_path):
+    import errno
+
+    guard = MountGuard(str(tmp_path), require_mount=False)
+    assert guard.usable()
+    guard.failed(OSError(errno.EIO, "one damaged file"))
+    guard.failed(OSError(errno.ENOSPC, "full"))
+    assert guard.usable()
+    guard.failed(OSError(errno.ENOTCONN, "daemon died"))
+    assert not guard.usable()

@@ -33,8 +33,9 @@ class MountGuard:
         return self._usable
 
     def failed(self, err: OSError) -> None:
-        """An operation on the mount failed in a way that means the mount is gone (not a plain miss)."""
-        if err.errno in (errno.ENOTCONN, errno.ENODEV, errno.EIO, errno.ESTALE, errno.EROFS, errno.ENOSPC):
+        """An operation on the mount failed. Only errors that mean the mount itself is gone switch the
+        connector to misses; EIO (one damaged file, which kvfs drops) or ENOSPC stay per file."""
+        if err.errno in (errno.ENOTCONN, errno.ENODEV, errno.ESTALE):
             with self._lock:
                 self._set(f"{os.strerror(err.errno)} on {self.path}")
                 self._checked_at = time.monotonic()
