@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from . import files
 from .chunkfile import token_digest
 from .mount import MountGuard
+from .naming import chunk_relpath
 
 log = logging.getLogger("vllm.kvfs_connector")
 
@@ -78,8 +79,7 @@ class Planner:
         i = last_token // self.hash_block_size - 1
         if i >= len(hashes):
             return None
-        h = bytes(hashes[i])
-        return [os.path.join(self.mount, ns, h.hex()[:2], h.hex() + ".kv") for ns in self.namespaces]
+        return [os.path.join(self.mount, chunk_relpath(ns, bytes(hashes[i]))) for ns in self.namespaces]
 
     # -- lookups ---------------------------------------------------------------------------------------
     def lookup(self, request, num_computed_tokens: int) -> int:
