@@ -28,7 +28,7 @@ DESC = {"layout": "cpu-vec", "dtype": "bfloat16", "layers": 2}
 # -- chunk file -------------------------------------------------------------------------------------------
 def _chunk(tokens=None, first=256, payload=b"\x01\x02" * 500):
     tokens = list(range(1000, 1512)) if tokens is None else tokens
-    parts = chunkfile.build(first, tokens, DESC, payload)
+    parts = chunkfile.build(first, len(tokens) - first, chunkfile.token_digest(tokens), DESC, payload)
     return b"".join(bytes(p) for p in parts), tokens
 
 

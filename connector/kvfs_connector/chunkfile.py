@@ -99,11 +99,12 @@ def parse_header(buf: bytes | memoryview) -> ChunkHeader:
     return ChunkHeader(first_token, n_tokens, tok, descriptor, payload_size, payload_xxh3, flags)
 
 
-def build(first_token: int, token_ids_to_end: Sequence[int], descriptor: dict, payload) -> list:
-    """The parts of a chunk file (header bytes, payload buffer), ready for writev/write."""
+def build(first_token: int, n_tokens: int, tokens_digest: bytes, descriptor: dict, payload) -> list:
+    """The parts of a chunk file (header bytes, payload buffer), ready for writing.
+
+    tokens_digest is token_digest() of the token ids from 0 to the end of the chunk."""
     payload = memoryview(payload).cast("B")
-    n_tokens = len(token_ids_to_end) - first_token
-    header = ChunkHeader(first_token, n_tokens, token_digest(token_ids_to_end), descriptor, len(payload),
+    header = ChunkHeader(first_token, n_tokens, tokens_digest, descriptor, len(payload),
                          xxhash.xxh3_64_intdigest(payload))
     return [header.pack(), payload]
 

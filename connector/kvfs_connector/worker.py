@@ -20,7 +20,6 @@ import threading
 import time
 
 import torch
-import xxhash
 
 from . import chunkfile, files
 from .chunkfile import ChunkMismatch
@@ -166,10 +165,9 @@ class WorkerSide:
             if not self.guard.usable():
                 self.stats["saves_skipped_no_mount"] += 1
                 return
-            data = payload.view(torch.uint8).numpy()
-            header = chunkfile.ChunkHeader(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
-                                           size, xxhash.xxh3_64_intdigest(data)).pack()
-            if files.write_atomic(path, [header, data], self.xattrs):
+            parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
+                                    payload.view(torch.uint8).numpy())
+            if files.write_atomic(path, parts, self.xattrs):
                 self.stats["saved_chunks"] += 1
                 self.stats["saved_bytes"] += size
             else:
