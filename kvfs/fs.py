@@ -18,6 +18,7 @@ import time
 import pyfuse3
 import trio
 
+from . import direct
 from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
@@ -44,6 +45,8 @@ XA_PREFIX = b"user.kvfs."
 XA_DTYPE = b"user.kvfs.dtype"
 XA_SHAPE = b"user.kvfs.shape"  # a layout hint from the writer (the connector); recorded in the object header
 INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes", b"user.kvfs.transform")
+XA_OBJECT = direct.XA_OBJECT.encode()  # where the object lies, for readers past FUSE; readable, not listed
+IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT)  # set/remove succeed and change nothing (cp -a, rsync -X)
 SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 
 # errnos that are answers, not daemon faults: passed through without a traceback
@@ -564,6 +567,23 @@ class Operations(pyfuse3.Operations):
         value = {"tier": row["obj_tier"], "codec": row["codec"], "transform": row["transform"]}[key]
         return (value or "none").encode()
 
+    def _object_xattr(self, ino: int, row) -> bytes:
+        """Where a committed file's object can be opened past FUSE (kvfs.direct). Counts as a read of the
+        file: the reader is about to read it all. No answer (ENOATTR, a read through the mount then) for a
+        file with unsaved writes, a corrupt one, or one with no object in a local tier."""
+        state = self.open_files.get(ino)
+        ref = ObjectRef.of_row(row)
+        if ref is None or (state is not None and (state.modified or state.corrupt)):
+            raise _err(pyfuse3.ENOATTR)
+        path = self.store.tiers[ref.tier].local_path(ref.object_id)
+        if path is None:
+            raise _err(pyfuse3.ENOATTR)
+        self.mover.note_read(ino, ref.tier)
+        self.index.note_access(ino)
+        self.counters.direct_reads += 1
+        self.counters.direct_bytes += row["size"]
+        return direct.Location(ref.tier, ref.stored_bytes, row["size"], path).encode()
+
     @_guard
     async def getxattr(self, inode, name, ctx):
         if inode in (KVFS_DIR_INODE, STATS_INODE):
@@ -571,6 +591,8 @@ class Operations(pyfuse3.Operations):
         row = self._row(inode)
         if name in INFO_XATTRS and stat.S_ISREG(row["mode"]):
             return self._info_xattr(row, name)
+        if name == XA_OBJECT and stat.S_ISREG(row["mode"]):
+            return self._object_xattr(inode, row)
         if not name.startswith(b"user."):
             raise _err(pyfuse3.ENOATTR)
         value = self.index.get_xattr(inode, name)
@@ -599,7 +621,7 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.E2BIG)
         if not name.startswith(b"user."):
             raise _err(errno.EOPNOTSUPP)
-        if name in INFO_XATTRS:
+        if name in IGNORED_XATTRS:
             return  # informational, recomputed by kvfs: copying files with their xattrs must not fail
         if name == XA_DTYPE:
             dtype = bytes(value).decode(errors="replace").strip()
@@ -631,7 +653,7 @@ class Operations(pyfuse3.Operations):
         if inode in (KVFS_DIR_INODE, STATS_INODE):
             raise _err(errno.EPERM)
         self._row(inode)
-        if name in INFO_XATTRS:
+        if name in IGNORED_XATTRS:
             return
         if not self.index.remove_xattr(inode, name):
             raise _err(pyfuse3.ENOATTR)

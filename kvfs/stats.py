@@ -25,6 +25,8 @@ class Counters:
     bytes_read: int = 0  # logical bytes returned by read()
     write_requests: int = 0
     read_requests: int = 0
+    direct_reads: int = 0  # files whose object a reader opened past FUSE (user.kvfs.object, kvfs.direct)
+    direct_bytes: int = 0  # their logical bytes
     commits: int = 0  # objects committed (flush/fsync with changes)
     commit_failures: int = 0  # commits answered with an error (ENOSPC, EIO, …)
     frames_encoded: int = 0

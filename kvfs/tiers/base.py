@@ -44,6 +44,10 @@ class Tier(abc.ABC):
     def read(self, object_id: str, offset: int, length: int) -> bytes:
         """Read a byte range; a short result means the object is shorter (corrupt or truncated)."""
 
+    def local_path(self, object_id: str) -> str | None:
+        """A path on this host where the object can be opened read-only (kvfs.direct), or None (remote)."""
+        return None
+
     @abc.abstractmethod
     def size_of(self, object_id: str) -> int | None:
         """Size of the object, None when absent."""

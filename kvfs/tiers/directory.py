@@ -59,6 +59,9 @@ class DirectoryTier(Tier):
         finally:
             os.close(fd)
 
+    def local_path(self, object_id: str) -> str:
+        return str(self._path(object_id))
+
     def size_of(self, object_id: str) -> int | None:
         try:
             return self._path(object_id).stat().st_size

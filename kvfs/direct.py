@@ -1,0 +1,183 @@
+"""Bulk reads past FUSE: names and metadata through the mount, the encoded object read from its tier directly.
+
+A FUSE data path served by a Python daemon tops out near 1 GB/s on this class of machine (docs/fuse.md),
+below what an engine loading KV wants. So, as DeepSeek 3FS does, a reader may ask the mount where a file's
+object lies (`getxattr user.kvfs.object`, which the daemon answers only for committed files in a local tier
+directory, and counts as a read: LRU, hits and promotion stay right), open that object itself, and decode
+it in its own process with the documented format (docs/format.md): every frame verified by its checksums.
+
+Why this is safe:
+- objects are immutable and never reused (a commit writes a new id, temp name + rename), so an object
+  opened by path is a complete snapshot of the file; a move or a new commit unlinks the old object only
+  after the index switch, and an already open descriptor keeps reading the complete old bytes;
+- filesystem permissions apply twice: getxattr needs read access through the mount, and the tier
+  directories are 0700, so only the daemon's user (or root) can open objects directly;
+- anything unexpected — no answer, a vanished or unreadable object, a size or checksum mismatch — falls
+  back to an ordinary read through the mount, where the daemon verifies again, drops a corrupt file and
+  answers EIO. Corruption is handled in one place; this module never returns unverified bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import errno
+import os
+
+from . import format as fmt
+
+XA_OBJECT = "user.kvfs.object"
+VALUE_MAX = 4096
+PROBE = 64 << 10  # header + table of up to ~1800 frames in one read
+READ_CHUNK = 8 << 20
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+_libc.getxattr.restype = ctypes.c_ssize_t
+_NO_ANSWER = {errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ERANGE}
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """Where the daemon says a file's object is: `<tier> <stored bytes> <logical size> <path>`."""
+
+    tier: str
+    stored_bytes: int
+    size: int
+    path: str
+
+    def encode(self) -> bytes:
+        return f"{self.tier} {self.stored_bytes} {self.size} {self.path}".encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> "Location":
+        tier, stored, size, path = value.decode().split(" ", 3)  # the path last: it may hold spaces
+        return cls(tier, int(stored), int(size), path)
+
+
+class Unavailable(Exception):
+    """The direct path cannot serve this file now; read it through the mount."""
+
+
+def locate(path: str | os.PathLike) -> Location | None:
+    """The object of a file in a kvfs mount, or None when the daemon offers none (not kvfs, not committed,
+    not in a local tier). One getxattr call with a buffer large enough for any answer: the daemon counts
+    each call as a read, so probing for the size first would count twice."""
+    buf = ctypes.create_string_buffer(VALUE_MAX)
+    n = _libc.getxattr(os.fsencode(path), XA_OBJECT.encode(), buf, VALUE_MAX)
+    if n < 0:
+        err = ctypes.get_errno()
+        if err in _NO_ANSWER:
+            return None
+        raise OSError(err, os.strerror(err), str(path))
+    try:
+        return Location.decode(buf.raw[:n])
+    except ValueError:
+        return None
+
+
+def read_object(loc: Location, offset: int = 0, length: int | None = None) -> bytearray:
+    """Bytes [offset, offset+length) of the file whose object `loc` names, decoding only the frames they
+    touch. Raises Unavailable (object gone or unreadable) or fmt.CorruptObject (never returns those bytes)."""
+    try:
+        fd = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise Unavailable(f"{loc.path}: {e.strerror}") from e
+    try:
+        if os.fstat(fd).st_size != loc.stored_bytes:
+            raise fmt.CorruptObject(f"object is {os.fstat(fd).st_size} bytes, the index says {loc.stored_bytes}")
+        header, frames = _layout(fd, loc)
+        end = header.raw_size if length is None else min(header.raw_size, offset + length)
+        out = bytearray(max(0, end - offset))
+        if out:
+            _decode_range(fd, header, frames, offset, end, memoryview(out))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _layout(fd: int, loc: Location) -> tuple[fmt.Header, list[fmt.FrameEntry]]:
+    head = os.pread(fd, PROBE, 0)
+    header = fmt.parse_header(head)
+    if header.data_offset > len(head):
+        head = os.pread(fd, header.data_offset, 0)
+    if len(head) < header.data_offset:
+        raise fmt.CorruptObject("object shorter than its frame table")
+    if header.raw_size != loc.size:
+        raise Unavailable(f"object holds {header.raw_size} bytes, the file has {loc.size}")
+    return header, fmt.parse_table(header, memoryview(head)[header.size:], loc.stored_bytes)
+
+
+def _decode_range(fd: int, header: fmt.Header, frames: list[fmt.FrameEntry], start: int, end: int,
+                  out: memoryview) -> None:
+    F = header.frame_size
+    for i in range(start // F, -(-end // F)):
+        entry = frames[i]
+        lo, hi = max(start, i * F), min(end, i * F + entry.raw_len)  # the wanted part of frame i
+        dest = out[lo - start:hi - start]
+        if entry.is_hole:
+            dest[:] = bytes(len(dest))
+        elif entry.codec == 0 and entry.transform == 0 and lo == i * F and hi - lo == entry.raw_len:
+            _read_stored_frame(fd, entry, dest)  # stored raw: read in place, one checksum
+        else:
+            payload = _pread_exact(fd, entry.offset, entry.stored_len)
+            dest[:] = memoryview(fmt.decode_frame(entry, payload)).cast("B")[lo - i * F:hi - i * F]
+
+
+def _read_stored_frame(fd: int, entry: fmt.FrameEntry, dest: memoryview) -> None:
+    if entry.stored_len != entry.raw_len:
+        raise fmt.CorruptObject("stored frame length differs from its raw length")
+    _pread_into(fd, entry.offset, dest)
+    digest = fmt.xxh3(dest)
+    if digest != entry.stored_xxh3 or digest != entry.raw_xxh3:
+        raise fmt.CorruptObject("frame payload checksum mismatch")
+
+
+def _pread_exact(fd: int, offset: int, length: int) -> bytearray:
+    buf = bytearray(length)
+    _pread_into(fd, offset, memoryview(buf))
+    return buf
+
+
+def _pread_into(fd: int, offset: int, dest: memoryview) -> None:
+    done = 0
+    while done < len(dest):
+        n = os.preadv(fd, [dest[done:done + READ_CHUNK]], offset + done)
+        if n == 0:
+            raise fmt.CorruptObject("object shorter than its frame table says")
+        done += n
+
+
+def read_through_mount(path: str | os.PathLike, expected_size: int | None = None) -> bytearray:
+    """An ordinary read of the whole file (large requests; FUSE splits them into max_read pieces)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if expected_size is not None and size != expected_size:
+            raise OSError(errno.EBADMSG, f"file is {size} bytes, expected {expected_size}", str(path))
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:done + READ_CHUNK]])
+            if n == 0:
+                raise OSError(errno.EBADMSG, "file shrank while reading", str(path))
+            done += n
+        return buf
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str | os.PathLike, expected_size: int | None = None) -> tuple[bytearray, bool]:
+    """The whole verified content of a file in a kvfs mount, and whether it came past FUSE.
+
+    Any other file (another filesystem, a file being written) is read the ordinary way. Raises OSError as
+    a read would (ENOENT, EIO for a corrupt file, EBADMSG when the size is not `expected_size`)."""
+    loc = locate(path)
+    if loc is not None and (expected_size is None or loc.size == expected_size):
+        try:
+            return read_object(loc), True
+        except (Unavailable, fmt.CorruptObject):
+            pass  # the mount decides: the daemon reads the object again and answers data or EIO
+    return read_through_mount(path, expected_size), False

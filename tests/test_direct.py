@@ -1,0 +1,140 @@
+"""Bulk reads past FUSE (kvfs.direct) on real mounts: the same verified bytes as a read through the mount,
+reads counted by the daemon, and every doubtful case (corrupt, moved, unsaved, not kvfs) answered through
+the mount, never with wrong bytes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvfs import direct
+
+from conftest import KvfsMount, kv_samples
+
+
+def _write(path, data: bytes, dtype: str | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        if dtype:
+            os.setxattr(f.fileno(), "user.kvfs.dtype", dtype.encode())
+        f.write(data)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none", "deflate"])
+def test_direct_read_matches_mount_read(make_mount, codec):
+    m = make_mount().start("--codec", codec)
+    sample = kv_samples("bf16")[0].read_bytes()
+    files = {
+        "kv": sample,
+        "odd": sample[: 3 * (1 << 20) + 12345],  # a short last frame
+        "holes": bytes(1 << 20) + sample[:5000] + bytes(2 << 20),  # all-zero frames are holes
+        "random": os.urandom((1 << 20) + 7),  # stored raw (incompressible)
+    }
+    for name, data in files.items():
+        _write(m.path("ns", name), data)
+    for name, data in files.items():
+        got, direct_hit = direct.read_file(m.path("ns", name), expected_size=len(data))
+        assert direct_hit, name
+        assert got == data, name
+        loc = direct.locate(m.path("ns", name))
+        assert loc.tier == "L2" and loc.size == len(data) and os.path.exists(loc.path)
+        # partial reads decode only what they touch, and match the mount's bytes
+        for off, n in [(0, 10), ((1 << 20) - 3, 9), (len(data) - 5, 100), (len(data), 10)]:
+            assert direct.read_object(loc, off, n) == data[off:off + n], (name, off, n)
+    s = m.stats()
+    assert s["direct_reads"] == len(files) * 2  # one per read_file and per locate: each getxattr is a read
+    assert s["direct_bytes"] == 2 * sum(len(d) for d in files.values())
+    assert s["tiers"]["L2"]["hits"] >= s["direct_reads"]
+
+
+def test_corrupt_object_is_never_served(make_mount):
+    m = make_mount().start()
+    data = kv_samples("bf16")[0].read_bytes()
+    _write(m.path("a.kv"), data)
+    (obj,) = m.objects("L2")
+    raw = bytearray(obj.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    obj.write_bytes(raw)
+    loc = direct.locate(m.path("a.kv"))
+    with pytest.raises(Exception) as e:
+        direct.read_object(loc)
+    assert e.type.__name__ == "CorruptObject"
+    m.expect_log("checksum|corrupt")
+    with pytest.raises(OSError) as e:  # read_file falls back to the mount, which answers EIO and drops it
+        direct.read_file(m.path("a.kv"))
+    assert e.value.errno == 5
+    assert m.stats()["checksum_failures"] == 1
+    assert not m.path("a.kv").exists()
+
+
+def test_unsaved_or_foreign_files_are_read_through_the_mount(make_mount, tmp_path):
+    m = make_mount().start()
+    with open(m.path("open.kv"), "wb") as f:
+        f.write(b"x" * 5000)
+        f.flush()
+        assert direct.locate(m.path("open.kv")) is None  # nothing committed yet
+        got, hit = direct.read_file(m.path("open.kv"))
+        assert (got, hit) == (bytearray(b"x" * 5000), False)
+    _write(m.path("empty.kv"), b"")
+    assert direct.read_file(m.path("empty.kv")) == (bytearray(), False)
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"plain")
+    assert direct.read_file(plain) == (bytearray(b"plain"), False)
+    with pytest.raises(FileNotFoundError):
+        direct.read_file(m.path("missing.kv"))
+    # the name is not listed, and setting it changes nothing (cp -a, rsync -X)
+    assert direct.XA_OBJECT not in os.listxattr(m.path("empty.kv"))
+    os.setxattr(m.path("empty.kv"), direct.XA_OBJECT, b"L2 1 1 /etc/passwd")
+    assert direct.locate(m.path("empty.kv")) is None
+
+
+def test_object_moved_after_locate_still_reads_right(make_mount):
+    """A move (here: fsync, which puts the object on L3) after locate: the old path is gone, and read_file
+    asks again or reads through the mount; an object already opened keeps its complete bytes."""
+    m = make_mount().start()
+    data = kv_samples("bf16")[1].read_bytes()
+    _write(m.path("m.kv"), data)
+    old = direct.locate(m.path("m.kv"))
+    assert old.tier == "L2"
+    fd = os.open(m.path("m.kv"), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    new = direct.locate(m.path("m.kv"))
+    assert new.tier == "L3" and not os.path.exists(old.path)
+    with pytest.raises(direct.Unavailable):
+        direct.read_object(old)
+    assert direct.read_file(m.path("m.kv")) == (bytearray(data), True)
+    assert m.stats()["tiers"]["L3"]["hits"] >= 1
+
+
+def test_other_users_cannot_open_objects():
+    """Tier directories are 0700: a reader without access to them gets its bytes through the mount."""
+    root = Path(tempfile.mkdtemp(prefix="kvfs-direct-"))
+    os.chmod(root, 0o755)  # the mount must be reachable by the other user; its tier directories are not
+    m = KvfsMount(root)
+    try:
+        m.start("--allow-other")
+        data = kv_samples("bf16")[0].read_bytes()
+        _write(m.path("p.kv"), data)
+        os.chmod(m.path("p.kv"), 0o644)
+        code = ("import sys; from kvfs import direct; d, hit = direct.read_file(sys.argv[1]); "
+                "print(hit, len(d), d == open(sys.argv[2], 'rb').read())")
+        sample = root / "sample.kv"
+        sample.write_bytes(data)
+        os.chmod(sample, 0o644)
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                              "-c", code, str(m.path("p.kv")), str(sample)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False", str(len(data)), "True"]
+        assert m.stats()["direct_reads"] == 1  # it asked, and could not open the object
+    finally:
+        if m.proc is not None:
+            assert m.stop() == 0
+        assert not m.unexpected_log_lines()
+        shutil.rmtree(root, ignore_errors=True)
