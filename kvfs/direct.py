@@ -77,9 +77,12 @@ def locate(path: str | os.PathLike) -> Location | None:
         return None
 
 
-def read_object(loc: Location, offset: int = 0, length: int | None = None) -> bytearray:
+def read_object(loc: Location, offset: int = 0, length: int | None = None,
+                into: bytearray | None = None) -> bytearray | memoryview:
     """Bytes [offset, offset+length) of the file whose object `loc` names, decoding only the frames they
-    touch. Raises Unavailable (object gone or unreadable) or fmt.CorruptObject (never returns those bytes)."""
+    touch; into the start of `into` where given (a reused buffer spares the page faults of a fresh one), and
+    then a view of it is returned. Raises Unavailable (object gone or unreadable) or fmt.CorruptObject (never
+    returns those bytes)."""
     try:
         fd = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
@@ -89,12 +92,20 @@ def read_object(loc: Location, offset: int = 0, length: int | None = None) -> by
             raise fmt.CorruptObject(f"object is {os.fstat(fd).st_size} bytes, the index says {loc.stored_bytes}")
         header, frames = _layout(fd, loc)
         end = header.raw_size if length is None else min(header.raw_size, offset + length)
-        out = bytearray(max(0, end - offset))
-        if out:
+        out = _buffer(max(0, end - offset), into)
+        if len(out):
             _decode_range(fd, header, frames, offset, end, memoryview(out))
         return out
     finally:
         os.close(fd)
+
+
+def _buffer(size: int, into: bytearray | None) -> bytearray | memoryview:
+    if into is None:
+        return bytearray(size)
+    if len(into) < size:
+        raise ValueError(f"buffer of {len(into)} bytes for {size}")
+    return memoryview(into)[:size]
 
 
 def _layout(fd: int, loc: Location) -> tuple[fmt.Header, list[fmt.FrameEntry]]:
@@ -149,14 +160,15 @@ def _pread_into(fd: int, offset: int, dest: memoryview) -> None:
         done += n
 
 
-def read_through_mount(path: str | os.PathLike, expected_size: int | None = None) -> bytearray:
+def read_through_mount(path: str | os.PathLike, expected_size: int | None = None,
+                       into: bytearray | None = None) -> bytearray | memoryview:
     """An ordinary read of the whole file (large requests; FUSE splits them into max_read pieces)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if expected_size is not None and size != expected_size:
             raise OSError(errno.EBADMSG, f"file is {size} bytes, expected {expected_size}", str(path))
-        buf = bytearray(size)
+        buf = _buffer(size, into)
         view = memoryview(buf)
         done = 0
         while done < size:
@@ -169,15 +181,17 @@ def read_through_mount(path: str | os.PathLike, expected_size: int | None = None
         os.close(fd)
 
 
-def read_file(path: str | os.PathLike, expected_size: int | None = None) -> tuple[bytearray, bool]:
-    """The whole verified content of a file in a kvfs mount, and whether it came past FUSE.
+def read_file(path: str | os.PathLike, expected_size: int | None = None,
+              into: bytearray | None = None) -> tuple[bytearray | memoryview, bool]:
+    """The whole verified content of a file in a kvfs mount (in `into` where given), and whether it came
+    past FUSE.
 
     Any other file (another filesystem, a file being written) is read the ordinary way. Raises OSError as
     a read would (ENOENT, EIO for a corrupt file, EBADMSG when the size is not `expected_size`)."""
     loc = locate(path)
     if loc is not None and (expected_size is None or loc.size == expected_size):
         try:
-            return read_object(loc), True
+            return read_object(loc, into=into), True
         except (Unavailable, fmt.CorruptObject):
             pass  # the mount decides: the daemon reads the object again and answers data or EIO
-    return read_through_mount(path, expected_size), False
+    return read_through_mount(path, expected_size, into), False

@@ -146,14 +146,14 @@ def test_cpu_vec_layout_is_channel_major_and_inverts_bit_exactly():
     assert torch.equal(p[5, 1, 2, 3, 128:], v[:, 3])
     # scatter into other blocks of a fresh cache: bit-exact, per layer, partial ranges honoured
     fresh = [torch.zeros_like(c) for c in caches]
-    for layer in range(30):
-        lay.scatter_layer_range(fresh[layer], layer, payload, [4, 9], 0, 2)
+    lay.scatter(fresh, payload, [4, 9], 0, 2)
     for layer in range(30):
         assert torch.equal(fresh[layer][4].view(torch.int16), caches[layer][7].view(torch.int16))
         assert torch.equal(fresh[layer][9].view(torch.int16), caches[layer][2].view(torch.int16))
     partial = [torch.zeros_like(c) for c in caches]
-    lay.scatter_layer_range(partial[0], 0, payload, [4, 9], 1, 2)
-    assert not partial[0][4].any() and torch.equal(partial[0][9], caches[0][2])
+    lay.scatter(partial, payload, [4, 9], 1, 2)
+    for layer in range(30):
+        assert not partial[layer][4].any() and torch.equal(partial[layer][9], caches[layer][2])
     assert lay.shape_hint(4096) == "offset=4096 layer=30 kv=2 head=3 channel=64 token=256"
 
 
@@ -164,8 +164,7 @@ def test_block_bytes_layout_round_trip_with_special_values():
     lay = layouts.choose(g, tuple(caches[0].shape[1:]), "blocks:cuda-auto")
     payload = lay.gather(caches, [3, 1])
     out = [torch.zeros_like(c) for c in caches]
-    for layer in range(2):
-        lay.scatter_layer_range(out[layer], layer, payload, [0, 5], 0, 2)
+    lay.scatter(out, payload, [0, 5], 0, 2)
     for layer in range(2):
         assert torch.equal(out[layer][0].view(torch.int16), caches[layer][3].view(torch.int16))
         assert torch.equal(out[layer][5].view(torch.int16), caches[layer][1].view(torch.int16))
@@ -338,6 +337,41 @@ def test_worker_reports_vanished_foreign_and_damaged_chunks_as_load_errors(tmp_p
     os.unlink(path)
     assert _load(w, spec, [3, 4], first=1) == {4}
     assert w.stats["load_errors"] == 3
+    w.shutdown()
+
+
+def test_worker_loads_many_chunks_exactly_with_few_buffers(tmp_path):
+    """More loads in a step than readers and pooled buffers: every chunk lands in its own blocks, exactly,
+    step after step; a failed load writes nothing and gives its buffer back."""
+    import dataclasses
+
+    from kvfs_connector.plan import LoadSpec
+
+    w, caches, spec, tokens = _worker(tmp_path)
+    saved = []
+    for k, src in enumerate([[5, 2], [1, 3], [4, 6], [7, 8]]):  # four chunks with different contents
+        s = dataclasses.replace(spec, paths=[str(tmp_path / "ns" / "ab" / f"ab0{k}.kv")], block_ids=src,
+                                token_digest=chunkfile.token_digest(tokens + [k]))
+        w.save([s])
+        saved.append((s, [c[src].clone() for c in caches]))
+    w.flush(10)
+    w.warm_up().join(10)
+    for step in range(3):
+        for c in caches:
+            c.fill_(3.0)
+        specs = [LoadSpec("r", s.paths, s.first_token, s.n_tokens, s.token_digest, [2 * k, 2 * k + 1], 0, 2)
+                 for k, (s, _) in enumerate(saved)]
+        specs.append(LoadSpec("r", saved[0][0].paths, 8, 8, b"\0" * 16, [9, 9], 0, 1))  # foreign: refused
+        w.start_load(specs)
+        for name in w.layer_index:
+            w.wait_layer(name)
+        w.finish_loads()
+        assert w.take_failed_blocks() == {9}
+        for k, (_, expected) in enumerate(saved):
+            for layer, c in enumerate(caches):
+                assert torch.equal(c[[2 * k, 2 * k + 1]].view(torch.int16), expected[layer].view(torch.int16))
+        assert all(torch.equal(c[9], torch.full_like(c[9], 3.0)) for c in caches)  # untouched
+        assert len(w.file_buffers._free) == w.file_buffers.keep == 2
     w.shutdown()
 
 

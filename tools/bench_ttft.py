@@ -5,6 +5,8 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
   recompute      no connector
   kvfs-none      KVFSConnector on a kvfs mount with codec none          (chunks in L2, tmpfs)
   kvfs-zstd      ... codec zstd
+  kvfs-zstd-fuse ... codec zstd, every byte through FUSE (the connector's direct_reads off): what reading
+                 objects past FUSE (kvfs.direct, the default) gains
   kvfs-deflate   ... codec deflate (ISA-L; the QAT format)
   kvfs-L3        ... codec zstd, L2 of 1 MiB and --promote never: every chunk read from L3 (the SSD tier),
                  its object files dropped from the page cache first (cold)
@@ -64,7 +66,8 @@ KVFS = [sys.executable, "-m", "kvfs"]
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16: all layers' K and V
 CHUNK = 256
 TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
-ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-deflate", "kvfs-L3", "lmcache", "vllm-prefix-cache"]
+ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "lmcache",
+        "vllm-prefix-cache"]
 ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3}
 ENV = {"PYTHONHASHSEED": "0"}
 MEMORY_BUDGET = "5G"  # kvfs L2 and LMCache L1 alike
@@ -191,9 +194,9 @@ def copy_chunks(src: Path, dst: Path) -> int:
     return n
 
 
-def kvfs_connector(mount: Path) -> dict:
+def kvfs_connector(mount: Path, **settings) -> dict:
     return {"kv_connector": "KVFSConnector", "kv_connector_module_path": "kvfs_connector",
-            "kv_connector_extra_config": {"mount": str(mount)}}
+            "kv_connector_extra_config": {"mount": str(mount), **settings}}
 
 
 def engine(work: Path, name: str, rounds: list[dict], connector: dict | None, **extra) -> dict:
@@ -305,6 +308,7 @@ def main() -> int:
                 results[arm] = measure(work, arm, rounds, None, None, warmup=store_rounds(w))
             elif arm.startswith("kvfs"):
                 extra = {"kvfs-none": ["--codec", "none"], "kvfs-zstd": ["--codec", "zstd"],
+                         "kvfs-zstd-fuse": ["--codec", "zstd"],
                          "kvfs-deflate": ["--codec", "deflate"],
                          "kvfs-L3": ["--codec", "zstd", "--promote", "never", "--l3",
                                      f"{work / arm / 'l3'}:32G"]}[arm]
@@ -318,7 +322,8 @@ def main() -> int:
                         for obj in (work / arm / "l3").rglob("*"):
                             if obj.is_file():
                                 fadvise_dontneed(obj)
-                    results[arm] = measure(work, arm, rounds, kvfs_connector(m.mountpoint), st["pid"])
+                    settings = {"direct_reads": False} if arm == "kvfs-zstd-fuse" else {}
+                    results[arm] = measure(work, arm, rounds, kvfs_connector(m.mountpoint, **settings), st["pid"])
                     results[arm]["stored_ratio"] = st["compression_ratio"]
                 finally:
                     m.umount()

@@ -121,8 +121,9 @@ def spawn(job: dict, logfile: Path, timeout: float = 900, env: dict | None = Non
                 pass
             proc.wait()
     text = Path(logfile).read_text(errors="replace")
-    last = text.strip().splitlines()[-1] if text.strip() else ""
-    if proc.returncode != 0 or not last.startswith("{"):
+    # the result is the last JSON line: interpreter shutdown may print warnings after it (resource_tracker)
+    last = next((line for line in reversed(text.splitlines()) if line.startswith("{")), "")
+    if proc.returncode != 0 or not last:
         raise EngineFailed(f"engine failed (status {proc.returncode}), log {logfile}:\n{text[-8000:]}")
     result = json.loads(last)
     result["log"] = text

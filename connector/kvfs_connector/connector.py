@@ -143,7 +143,9 @@ class KVFSConnector(KVConnectorBase_V1):
         rank = (parallel_state.get_pp_group().rank_in_group * parallel_state.get_tp_group().world_size
                 + parallel_state.get_tp_group().rank_in_group)
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
-                                 self.settings.io_threads, self.settings.max_pending_save_mb << 20)
+                                 self.settings.io_threads, self.settings.max_pending_save_mb << 20,
+                                 self.settings.direct_reads)
+        self.worker.warm_up()
         log.info("kvfs connector worker: %d layers, layout %s, rank %d", len(tensors), chosen.name, rank)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

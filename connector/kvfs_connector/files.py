@@ -1,4 +1,5 @@
-"""File operations on chunk files: exists, read whole, write atomically (temp name + rename) with xattrs."""
+"""File operations on chunk files: exists, write atomically (temp name + rename) with xattrs. Reads are
+kvfs.direct's: past FUSE where the mount offers it, through the mount otherwise."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import uuid
 
 XA_DTYPE = "user.kvfs.dtype"
 XA_SHAPE = "user.kvfs.shape"
-READ_CHUNK = 8 << 20
 
 
 def exists(path: str) -> bool:
@@ -18,26 +18,6 @@ def exists(path: str) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def read_whole(path: str, expected_size: int | None = None) -> bytearray:
-    """Read a file in large requests (FUSE splits them into max_read pieces that kvfs serves in parallel)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if expected_size is not None and size != expected_size:
-            raise OSError(errno.EBADMSG, f"chunk is {size} bytes, expected {expected_size}", path)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        done = 0
-        while done < size:
-            n = os.readv(fd, [view[done:done + READ_CHUNK]])
-            if n == 0:
-                raise OSError(errno.EBADMSG, "file shrank while reading", path)
-            done += n
-        return buf
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: str, parts: list, xattrs: dict[str, bytes]) -> bool:

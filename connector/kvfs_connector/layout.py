@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -36,6 +37,15 @@ class Geometry:
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.block_size
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a tensor's elements as integers of the same size (bf16 has no numpy dtype): copies
+    through it move bits exactly, NaN payloads and -0.0 included."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
 class ChunkLayout:
@@ -73,9 +83,11 @@ class ChunkLayout:
         """A new contiguous tensor with the chunk's payload (a copy: vLLM may reuse the blocks at once)."""
         raise NotImplementedError
 
-    def scatter_layer_range(self, kv_layer: torch.Tensor, layer: int, payload: torch.Tensor,
-                            block_ids: list[int], first: int, end: int) -> None:
-        """Write blocks `first..end` of the chunk (payload order) of one layer into `block_ids[first:end]`."""
+    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
+                end: int) -> None:
+        """Write blocks `first..end` of a chunk (payload order), every layer, into `block_ids[first:end]` of the
+        paged cache: one or two contiguous-destination numpy copies per layer and block (numpy moves these
+        several times faster than torch's index_copy_ and permuted copies)."""
         raise NotImplementedError
 
     def payload_view(self, buf) -> torch.Tensor:
@@ -122,15 +134,17 @@ class CpuVecLayout(ChunkLayout):
             p[layer, 1].copy_(v.permute(1, 3, 0, 2))
         return out
 
-    def scatter_layer_range(self, kv_layer: torch.Tensor, layer: int, payload: torch.Tensor,
-                            block_ids: list[int], first: int, end: int) -> None:
+    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
+                end: int) -> None:
         g = self.g
-        p = self._payload(payload)
-        blocks = torch.empty((end - first, *self.block_shape), dtype=g.dtype)
-        k, v = self._split(blocks)
-        k.copy_(p[layer, 0, :, :, first:end].permute(2, 0, 1, 3))
-        v.copy_(p[layer, 1, :, :, first:end].permute(2, 0, 3, 1))
-        kv_layer.index_copy_(0, torch.tensor(block_ids[first:end], dtype=torch.long), blocks)
+        H, D, bs = g.num_kv_heads, g.head_size, g.block_size
+        p = as_numpy(payload).reshape(g.num_layers, 2, H, D, g.blocks_per_chunk, bs)
+        for layer, kv in enumerate(kv_layers):
+            dest = as_numpy(kv).reshape(kv.shape[0], H, 2 * bs * D)
+            for j in range(first, end):
+                block = dest[block_ids[j]]
+                np.copyto(block[:, :bs * D].reshape(H, D, bs), p[layer, 0, :, :, j])  # K^T: runs of bs
+                np.copyto(block[:, bs * D:].reshape(H, bs, D), p[layer, 1, :, :, j].transpose(0, 2, 1))
 
 
 class BlockBytesLayout(ChunkLayout):
@@ -152,10 +166,13 @@ class BlockBytesLayout(ChunkLayout):
             p[layer].copy_(kv.index_select(0, idx))
         return out
 
-    def scatter_layer_range(self, kv_layer: torch.Tensor, layer: int, payload: torch.Tensor,
-                            block_ids: list[int], first: int, end: int) -> None:
-        p = self._payload(payload)
-        kv_layer.index_copy_(0, torch.tensor(block_ids[first:end], dtype=torch.long), p[layer, first:end])
+    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
+                end: int) -> None:
+        p = as_numpy(self._payload(payload))
+        for layer, kv in enumerate(kv_layers):
+            dest = as_numpy(kv)
+            for j in range(first, end):
+                np.copyto(dest[block_ids[j]], p[layer, j])
 
 
 def choose(geometry: Geometry, block_shape: tuple[int, ...], backend: str) -> ChunkLayout:

@@ -17,6 +17,7 @@ class Settings:
     require_mount: bool = True  # only use `mount` while it is a mount point (never fill the disk under it)
     save_decode: bool = True  # also save chunks completed while decoding (the next turn reuses them)
     io_threads: int = 4
+    direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
 
     @classmethod

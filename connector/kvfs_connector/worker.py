@@ -1,9 +1,11 @@
 """Worker side: read chunk files into the paged cache before the layers need them; save new chunks.
 
-Loads: start_load() hands every chunk file of the step to reader threads (the kvfs daemon decodes in its own
-process meanwhile); wait_layer() blocks until the reads are in and copies one layer into the paged cache, so
-the scatter of layer i overlaps the attention of layer i-1. A chunk that is missing, fails a checksum, or holds
-other tokens or another layout is a load error: its blocks are reported to vLLM, which recomputes them.
+Loads: start_load() hands every chunk file of the step to reader threads. Each reads the chunk's object past
+FUSE and decodes it in this process where the mount offers that (kvfs.direct; through the mount otherwise),
+verifies it, and writes it into the request's blocks of the paged cache in the engine's order: all of it off
+the forward thread, which meanwhile runs the step's first layers' projections, and needs no buffer beyond one
+per reader. wait_layer() only waits. A chunk that is missing, fails a checksum, or holds other tokens or
+another layout is a load error: its blocks are reported to vLLM, which recomputes them.
 
 Saves: after the forward pass (finish_step) each new chunk is copied out of the paged cache into its own
 buffer at once — so vLLM may reuse the blocks as soon as the step ends and a save can never store another
@@ -20,8 +22,10 @@ import threading
 import time
 
 import torch
+from kvfs import direct
 
 from . import chunkfile, files
+from .buffers import BufferPool
 from .chunkfile import ChunkMismatch
 from .layout import ChunkLayout
 from .mount import MountGuard
@@ -36,14 +40,14 @@ class _Load:
     def __init__(self, spec: LoadSpec, future: cf.Future) -> None:
         self.spec = spec
         self.future = future
-        self.payload: torch.Tensor | None = None
+        self.done = False  # written into the paged cache, every layer
         self.failed = False
-        self.layers_done: set[int] = set()
 
 
 class WorkerSide:
     def __init__(self, layout: ChunkLayout, kv_layers: list[torch.Tensor], layer_index: dict[str, int],
-                 rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int) -> None:
+                 rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int,
+                 direct_reads: bool = True) -> None:
         self.layout = layout
         self.descriptor = layout.descriptor()
         self.kv_layers = kv_layers
@@ -53,10 +57,14 @@ class WorkerSide:
         self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read")
         self.writer = cf.ThreadPoolExecutor(2, thread_name_prefix="kvfs-write")
         self.max_pending = max_pending_save_bytes
+        self.file_size = chunkfile.HEADER_SIZE + layout.payload_elements * layout.g.dtype.itemsize
+        self.file_buffers = BufferPool(lambda: bytearray(self.file_size), keep=io_threads)  # one per reader
+        self.direct_reads = direct_reads
         self._pending_bytes = 0
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._loads: list[_Load] = []
+        self._layers_waited: set[int] = set()
         self._failed_blocks: set[int] = set()
         self.stats = collections.Counter()
         self._warned: set[str] = set()
@@ -64,30 +72,48 @@ class WorkerSide:
         if layout.g.dtype in DTYPE_XATTR:
             self.xattrs[files.XA_DTYPE] = DTYPE_XATTR[layout.g.dtype]
 
+    def warm_up(self) -> threading.Thread:
+        """Fill the readers' buffer pool in a background thread (page faults cost as much as reading)."""
+        thread = threading.Thread(target=self.file_buffers.fill, args=(_touch,), name="kvfs-warm-up", daemon=True)
+        thread.start()
+        return thread
+
     # -- loads -----------------------------------------------------------------------------------------
     def start_load(self, specs: list[LoadSpec]) -> None:
-        self._loads = [_Load(s, self.readers.submit(self._read, s)) for s in specs]
+        self._loads = [_Load(s, self.readers.submit(self._load, s)) for s in specs]
+        self._layers_waited = set()
 
-    def _read(self, spec: LoadSpec) -> torch.Tensor:
-        """In a reader thread: the verified payload of one chunk file, as a tensor in payload order."""
+    def _load(self, spec: LoadSpec) -> None:
+        """In a reader thread: read and verify one chunk, then write its blocks, every layer, into the paged
+        cache. Those blocks belong to the loading request alone, and no attention reads them before
+        wait_layer() has seen this finish; nothing is written unless the whole chunk verified."""
         t0 = time.thread_time()
+        raw = self.file_buffers.take()
         try:
-            expected = chunkfile.HEADER_SIZE + self.layout.payload_elements * self.layout.g.dtype.itemsize
-            buf = files.read_whole(spec.paths[self.rank], expected)
+            path = spec.paths[self.rank]
+            if self.direct_reads:
+                buf, past_fuse = direct.read_file(path, self.file_size, into=raw)
+            else:
+                buf, past_fuse = direct.read_through_mount(path, self.file_size, into=raw), False
             payload = chunkfile.verify(buf, first_token=spec.first_token, n_tokens=spec.n_tokens,
                                        expected_tokens=spec.token_digest, descriptor=self.descriptor)
-            return self.layout.payload_view(payload)
+            self.layout.scatter(self.kv_layers, self.layout.payload_view(payload), spec.block_ids,
+                                spec.first_block, spec.end_block)
+            with self._lock:
+                self.stats["direct_loads"] += past_fuse
+                self.stats["loaded_chunks"] += 1
+                self.stats["loaded_bytes"] += len(payload)
         finally:
+            self.file_buffers.give(raw)
             with self._lock:
                 self.stats["load_cpu_us"] += int((time.thread_time() - t0) * 1e6)
 
     def _resolve(self, load: _Load) -> None:
-        if load.payload is not None or load.failed:
+        if load.done or load.failed:
             return
         try:
-            load.payload = load.future.result()
-            self.stats["loaded_chunks"] += 1
-            self.stats["loaded_bytes"] += load.payload.numel() * load.payload.element_size()
+            load.future.result()
+            load.done = True
         except (OSError, ChunkMismatch) as e:
             self._fail(load, e)
         except Exception as e:  # never crash the engine over a cache file
@@ -105,32 +131,22 @@ class WorkerSide:
                     s.paths[self.rank], err, s.end_block - s.first_block)
 
     def wait_layer(self, layer_name: str) -> None:
+        """Before a layer's attention: every load of the step is in (the readers wrote all layers)."""
         layer = self.layer_index.get(layer_name)
         if layer is None or not self._loads:
             return
-        t0 = time.thread_time()
-        self._scatter(layer)
-        with self._lock:
-            self.stats["load_cpu_us"] += int((time.thread_time() - t0) * 1e6)
-
-    def _scatter(self, layer: int) -> None:
         for load in self._loads:
             self._resolve(load)
-            if load.failed or layer in load.layers_done:
-                continue
-            s = load.spec
-            self.layout.scatter_layer_range(self.kv_layers[layer], layer, load.payload, s.block_ids,
-                                            s.first_block, s.end_block)
-            load.layers_done.add(layer)
+        self._layers_waited.add(layer)
 
     def finish_loads(self) -> None:
-        """End of step: a load some layer never received (no wait_layer call for it) is a load error, so
-        vLLM does not keep tokens computed over blocks that were not filled."""
+        """End of step. If some layer's attention ran without a wait_layer call, the readers may have written
+        its blocks after it read them: every load of the step is then a load error, and vLLM recomputes."""
+        missed = len(self.kv_layers) - len(self._layers_waited)
         for load in self._loads:
             self._resolve(load)
-            if not load.failed and len(load.layers_done) != len(self.kv_layers):
-                self._fail(load, RuntimeError(f"{len(self.kv_layers) - len(load.layers_done)} layers not loaded "
-                                              "before their attention ran"))
+            if load.done and missed:
+                self._fail(load, RuntimeError(f"{missed} layers ran attention before waiting for the load"))
         self._loads = []
 
     def take_failed_blocks(self) -> set[int]:
@@ -205,3 +221,7 @@ class WorkerSide:
         self.writer.shutdown(wait=True)
         self.readers.shutdown(wait=True, cancel_futures=True)
         log.info("kvfs connector: %s", dict(self.stats))
+
+
+def _touch(buf: bytearray) -> None:
+    buf[:] = bytes(len(buf))
