@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""TTFT with KV loaded through kvfs vs recompute vs LMCache, on vLLM (CPU), SmolLM2-135M, bf16 — one run.
+"""TTFT with KV loaded through kvfs vs recompute vs LMCache, on vLLM (CPU), SmolLM2-135M — one run.
+
+The model runs in bf16 where the CPU has bf16 instructions and in float32 elsewhere (vllm_driver.engine_dtype;
+KVFS_VLLM_DTYPE forces one): without them bf16 GEMMs are emulated ~60x slower than float32.
 
 Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits come from the connector):
   recompute      no connector
@@ -30,7 +33,7 @@ tokens / prompt tokens. Every connector arm must show external hit tokens > 0 in
 The storing engines (kvfs, LMCache) run the same prompts first; the chunk files the kvfs one stored are kept
 in a plain directory, and every kvfs arm's fresh mount is filled from there (copied through the mount, xattrs
 first, so each mount encodes them with its own codec). CPU-s/GB: CPU time of the storage side (kvfs daemon / LMCache server process tree) and, for
-kvfs, of the connector's reader and scatter work, per GB of KV loaded (cached tokens x 23,040 B), over the
+kvfs, of the connector's reader and scatter work, per GB of KV loaded (cached tokens x 23,040 B in bf16), over the
 measured engine's lifetime.
 
     .venv/bin/python tools/bench_ttft.py [--lengths ...] [--reps 3] [--concurrency 1 8] [--arms ...]
@@ -63,15 +66,16 @@ from bench_tiers import fadvise_dontneed
 
 MODEL = REPO / ".venv/opt/models/SmolLM2-135M-Instruct"
 KVFS = [sys.executable, "-m", "kvfs"]
-BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16: all layers' K and V
+DTYPE = vllm_driver.engine_dtype()  # bfloat16 where the CPU has bf16 instructions, else float32
+BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]  # all layers' K and V
 CHUNK = 256
 TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
 ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "lmcache",
         "vllm-prefix-cache"]
-ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3}
+ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3, "dtype": DTYPE}
 ENV = {"PYTHONHASHSEED": "0"}
-MEMORY_BUDGET = "5G"  # kvfs L2 and LMCache L1 alike
-L1_GIB = 5.0
+L1_GIB = 5.0 if BYTES_PER_TOKEN == 23_040 else 8.0  # kvfs L2 and LMCache L1 alike: all stored KV fits
+MEMORY_BUDGET = f"{L1_GIB:g}G"
 
 
 # -- prompts ------------------------------------------------------------------------------------------------
@@ -339,7 +343,8 @@ def main() -> int:
     finally:
         if source is not None:
             source.umount()
-    doc = {"bench": "ttft", "model": "SmolLM2-135M-Instruct bf16, vLLM 0.32 CPU", "chunk_tokens": CHUNK,
+    doc = {"bench": "ttft", "model": f"SmolLM2-135M-Instruct {DTYPE}, vLLM 0.32 CPU", "dtype": DTYPE,
+           "chunk_tokens": CHUNK,
            "lengths": args.lengths, "reps": args.reps, "concurrency": args.concurrency,
            "elapsed_s": time.time() - t_start,
            "arms": {a: {k: v for k, v in r.items() if k != "rounds"} for a, r in results.items()}}
@@ -397,7 +402,7 @@ def print_table(doc: dict) -> None:
     from rich.table import Table
 
     arms = doc["arms"]
-    table = Table(title="TTFT p50 / p90 (s), hit rate — SmolLM2-135M bf16, vLLM CPU")
+    table = Table(title=f"TTFT p50 / p90 (s), hit rate — {doc['model']}")
     table.add_column("workload")
     for a in arms:
         table.add_column(a, justify="right")
@@ -439,7 +444,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_title(f"concurrency {c}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle("vLLM CPU, SmolLM2-135M bf16: TTFT with KV from kvfs vs recompute vs LMCache")
+    fig.suptitle(f"{doc['model']}: TTFT with KV from kvfs vs recompute vs LMCache")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")

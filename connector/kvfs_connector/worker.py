@@ -33,7 +33,7 @@ from .plan import LoadSpec, SaveSpec
 
 log = logging.getLogger("vllm.kvfs_connector")
 
-DTYPE_XATTR = {torch.bfloat16: b"bf16", torch.float16: b"fp16"}
+DTYPE_XATTR = {torch.bfloat16: b"bf16", torch.float16: b"fp16", torch.float32: b"fp32"}
 
 
 class _Load:
