@@ -157,6 +157,20 @@ def test_cpu_vec_layout_is_channel_major_and_inverts_bit_exactly():
     assert lay.shape_hint(4096) == "offset=4096 layer=30 kv=2 head=3 channel=64 token=256"
 
 
+def test_layout_refuses_a_cache_it_could_only_copy():
+    """A paged cache that is not one contiguous tensor per layer cannot be viewed in block order: the layout
+    raises instead of writing into a copy (which would drop the load silently)."""
+    g = layouts.Geometry(num_layers=1, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.bfloat16)
+    lay = layouts.choose(g, (2, 4, 16), "cpu-vec")
+    strided = torch.zeros(6, 4, 2, 16, dtype=torch.bfloat16).transpose(1, 2)  # heads outside tokens in memory
+    payload = torch.ones(lay.payload_elements, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="without a copy"):
+        lay.scatter([strided], payload, [0, 1], 0, 2)
+    big = torch.zeros(6, 2, 4, 32, dtype=torch.bfloat16)  # strided, but viewable: the writes land in `big`
+    lay.scatter([big[..., ::2]], payload, [0, 1], 0, 2)
+    assert big[:2, ..., ::2].eq(1).all() and not big[..., 1::2].any() and not big[2:].any()
+
+
 def test_block_bytes_layout_round_trip_with_special_values():
     g = layouts.Geometry(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.float16)
     caches = [torch.randn(6, 4, 2, 2, 8).to(torch.float16) for _ in range(2)]  # some other engine's block shape

@@ -18,6 +18,7 @@ layouts never mix. Everything here runs on the worker's forward thread and only 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -42,10 +43,22 @@ class Geometry:
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def as_numpy(t: torch.Tensor) -> np.ndarray:
+def as_numpy(t: torch.Tensor, *shape: int) -> np.ndarray:
     """A numpy view of a tensor's elements as integers of the same size (bf16 has no numpy dtype): copies
-    through it move bits exactly, NaN payloads and -0.0 included."""
-    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+    through it move bits exactly, NaN payloads and -0.0 included. Reshaped to `shape` where given."""
+    a = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+    return view_as(a, *shape) if shape else a
+
+
+def view_as(a: np.ndarray, *shape: int) -> np.ndarray:
+    """`a` reshaped without copying, or ValueError: a copy of the paged cache would silently swallow the
+    writes made into it (numpy's reshape copies when it must)."""
+    v = a.view()
+    try:
+        v.shape = shape
+    except AttributeError as e:
+        raise ValueError(f"cannot view {a.shape} (strides {a.strides}) as {shape} without a copy") from e
+    return v
 
 
 class ChunkLayout:
@@ -81,13 +94,23 @@ class ChunkLayout:
 
     def gather(self, kv_layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
         """A new contiguous tensor with the chunk's payload (a copy: vLLM may reuse the blocks at once)."""
-        raise NotImplementedError
+        out = torch.empty(self.payload_elements, dtype=self.g.dtype)
+        for part, block in self._pairs(kv_layers, out, block_ids, 0, len(block_ids)):
+            np.copyto(part, block)
+        return out
 
     def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
                 end: int) -> None:
         """Write blocks `first..end` of a chunk (payload order), every layer, into `block_ids[first:end]` of the
-        paged cache: one or two contiguous-destination numpy copies per layer and block (numpy moves these
-        several times faster than torch's index_copy_ and permuted copies)."""
+        paged cache."""
+        for part, block in self._pairs(kv_layers, payload, block_ids, first, end):
+            np.copyto(block, part)
+
+    def _pairs(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
+               end: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(payload part, paged-cache part) views of equal shape covering chunk blocks first..end of every
+        layer. Copies between them are numpy's: several times faster here than torch's index_copy_ and
+        permuted copies, and bit-exact through integer views."""
         raise NotImplementedError
 
     def payload_view(self, buf) -> torch.Tensor:
@@ -110,41 +133,16 @@ class CpuVecLayout(ChunkLayout):
         return (f"offset={payload_offset} layer={g.num_layers} kv=2 head={g.num_kv_heads} "
                 f"channel={g.head_size} token={g.chunk_size}")
 
-    def _split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, H, bs, 2D] blocks → K view [n, H, D, bs] and V view [n, H, bs, D] (no copy)."""
-        g = self.g
-        n = blocks.shape[0]
-        flat = blocks.view(n, g.num_kv_heads, 2 * g.block_size * g.head_size)
-        half = g.block_size * g.head_size
-        k = flat[:, :, :half].view(n, g.num_kv_heads, g.head_size, g.block_size)
-        v = flat[:, :, half:].view(n, g.num_kv_heads, g.block_size, g.head_size)
-        return k, v
-
-    def _payload(self, payload: torch.Tensor) -> torch.Tensor:
-        g = self.g
-        return payload.view(g.num_layers, 2, g.num_kv_heads, g.head_size, g.blocks_per_chunk, g.block_size)
-
-    def gather(self, kv_layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-        out = torch.empty(self.payload_elements, dtype=self.g.dtype)
-        p = self._payload(out)
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        for layer, kv in enumerate(kv_layers):
-            k, v = self._split(kv.index_select(0, idx))
-            p[layer, 0].copy_(k.permute(1, 2, 0, 3))  # [H, D, n, bs]
-            p[layer, 1].copy_(v.permute(1, 3, 0, 2))
-        return out
-
-    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
-                end: int) -> None:
+    def _pairs(self, kv_layers, payload, block_ids, first, end):
         g = self.g
         H, D, bs = g.num_kv_heads, g.head_size, g.block_size
-        p = as_numpy(payload).reshape(g.num_layers, 2, H, D, g.blocks_per_chunk, bs)
+        p = as_numpy(payload, g.num_layers, 2, H, D, g.blocks_per_chunk, bs)
         for layer, kv in enumerate(kv_layers):
-            dest = as_numpy(kv).reshape(kv.shape[0], H, 2 * bs * D)
+            blocks = as_numpy(kv, kv.shape[0], H, 2 * bs * D)
             for j in range(first, end):
-                block = dest[block_ids[j]]
-                np.copyto(block[:, :bs * D].reshape(H, D, bs), p[layer, 0, :, :, j])  # K^T: runs of bs
-                np.copyto(block[:, bs * D:].reshape(H, bs, D), p[layer, 1, :, :, j].transpose(0, 2, 1))
+                block = blocks[block_ids[j]]
+                yield p[layer, 0, :, :, j], view_as(block[:, :bs * D], H, D, bs)  # K^T [D][bs]: runs of bs
+                yield p[layer, 1, :, :, j], view_as(block[:, bs * D:], H, bs, D).transpose(0, 2, 1)  # V [bs][D]
 
 
 class BlockBytesLayout(ChunkLayout):
@@ -155,24 +153,12 @@ class BlockBytesLayout(ChunkLayout):
         return f"offset={payload_offset} layer={self.g.num_layers} block={self.g.blocks_per_chunk} " \
                f"element={self.block_elements}"
 
-    def _payload(self, payload: torch.Tensor) -> torch.Tensor:
-        return payload.view(self.g.num_layers, self.g.blocks_per_chunk, *self.block_shape)
-
-    def gather(self, kv_layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-        out = torch.empty(self.payload_elements, dtype=self.g.dtype)
-        p = self._payload(out)
-        idx = torch.tensor(block_ids, dtype=torch.long)
+    def _pairs(self, kv_layers, payload, block_ids, first, end):
+        p = as_numpy(payload, self.g.num_layers, self.g.blocks_per_chunk, *self.block_shape)
         for layer, kv in enumerate(kv_layers):
-            p[layer].copy_(kv.index_select(0, idx))
-        return out
-
-    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
-                end: int) -> None:
-        p = as_numpy(self._payload(payload))
-        for layer, kv in enumerate(kv_layers):
-            dest = as_numpy(kv)
+            blocks = as_numpy(kv)
             for j in range(first, end):
-                np.copyto(dest[block_ids[j]], p[layer, j])
+                yield p[layer, j], blocks[block_ids[j]]
 
 
 def choose(geometry: Geometry, block_shape: tuple[int, ...], backend: str) -> ChunkLayout:
