@@ -154,10 +154,10 @@ def stat_cmd(mountpoint, as_json):
                      f"({doc['writer_wait_s']:.1f} s), {doc['move_failures']} failed moves"
                      + (f"; QAT: {doc['qat']['mode']}" if doc.get("qat", {}).get("mode") != "not loaded" else ""))
     counters = Table(show_header=False, title="counters")
-    for key in ("bytes_written", "bytes_read", "commits", "commit_failures", "checksum_failures", "errors",
-                "open_files", "dirty_bytes", "compression_ratio"):
+    for key in ("bytes_written", "bytes_read", "direct_reads", "direct_bytes", "commits", "commit_failures",
+                "checksum_failures", "errors", "open_files", "dirty_bytes", "compression_ratio"):
         value = doc.get(key)
-        counters.add_row(key, _human(value) if key.startswith(("bytes", "dirty")) else str(value))
+        counters.add_row(key, _human(value) if key.startswith(("bytes", "dirty", "direct_bytes")) else str(value))
     console = Console()
     console.print(tiers)
     console.print(counters)

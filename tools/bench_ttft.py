@@ -14,7 +14,7 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
   kvfs-L3        ... codec zstd, L2 of 1 MiB and --promote never: every chunk read from L3 (the SSD tier),
                  its object files dropped from the page cache first (cold)
   lmcache        LMCache 0.5.6 multiprocess mode, its fs L2 adapter on a plain directory (/var/tmp), the same
-                 chunk size (256) and the same memory budget as kvfs's L2 (its L1); the server is restarted
+                 chunk size (--chunk, 256 by default) and the same memory budget as kvfs's L2 (its L1); the server is restarted
                  between the storing and the measured engine, so its L1 starts empty, like kvfs's daemon-side
                  cache: hits come from the fs backend (the file in the page cache), as kvfs's come from L2.
   vllm-prefix-cache  the ceiling: no connector, vLLM's own prefix cache on, the storing rounds run first in
@@ -68,7 +68,7 @@ MODEL = REPO / ".venv/opt/models/SmolLM2-135M-Instruct"
 KVFS = [sys.executable, "-m", "kvfs"]
 DTYPE = vllm_driver.engine_dtype()  # bfloat16 where the CPU has bf16 instructions, else float32
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]  # all layers' K and V
-CHUNK = 256
+CHUNK = 256  # tokens per chunk file (kvfs) and per LMCache chunk; --chunk changes both
 TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
 ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "lmcache",
         "vllm-prefix-cache"]
@@ -260,10 +260,12 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
     ap.add_argument("--workloads", nargs="+", default=["full", "multi-turn"], choices=["full", "multi-turn"])
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="tokens per chunk, kvfs and LMCache alike")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_ttft.json")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    chunk = {"chunk_size": args.chunk}
     work = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=args.workdir))
     print(f"work dir {work}", flush=True)
     w = make_workloads(args.lengths if "full" in args.workloads else [], args.reps, args.concurrency)
@@ -278,7 +280,7 @@ def main() -> int:
         snapshot = work / "chunks"
         if kvfs_arms:
             source = Mount(work, "store", "--codec", "none")
-            stored = engine(work, "store-kvfs", store_rounds(w), kvfs_connector(source.mountpoint))
+            stored = engine(work, "store-kvfs", store_rounds(w), kvfs_connector(source.mountpoint, **chunk))
             answers = stored["rounds"][len(store_rounds(w)) - len(w["turn1"]):]
             turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
                      for c, ans in zip(w["turn1"], answers)}
@@ -288,7 +290,7 @@ def main() -> int:
             source = None
         if "lmcache" in args.arms:
             lm_dir = work / "lmcache-l2"
-            proc, conn = lmcache_mp.start_server(str(lm_dir), CHUNK, l1_gib=L1_GIB, skip_l1=False,
+            proc, conn = lmcache_mp.start_server(str(lm_dir), args.chunk, l1_gib=L1_GIB, skip_l1=False,
                                                  log_path=str(work / "lmcache-server-store.log"))
             try:
                 stored_lm = engine(work, "store-lmcache", store_rounds(w), conn)
@@ -326,13 +328,13 @@ def main() -> int:
                         for obj in (work / arm / "l3").rglob("*"):
                             if obj.is_file():
                                 fadvise_dontneed(obj)
-                    settings = {"direct_reads": False} if arm == "kvfs-zstd-fuse" else {}
+                    settings = {**chunk, "direct_reads": arm != "kvfs-zstd-fuse"}
                     results[arm] = measure(work, arm, rounds, kvfs_connector(m.mountpoint, **settings), st["pid"])
                     results[arm]["stored_ratio"] = st["compression_ratio"]
                 finally:
                     m.umount()
             elif arm == "lmcache":
-                proc, conn = lmcache_mp.start_server(str(work / "lmcache-l2"), CHUNK, l1_gib=L1_GIB, skip_l1=False,
+                proc, conn = lmcache_mp.start_server(str(work / "lmcache-l2"), args.chunk, l1_gib=L1_GIB, skip_l1=False,
                                                      log_path=str(work / "lmcache-server-measure.log"))
                 try:
                     results[arm] = measure(work, arm, rounds, conn, proc.pid)
@@ -344,7 +346,7 @@ def main() -> int:
         if source is not None:
             source.umount()
     doc = {"bench": "ttft", "model": f"SmolLM2-135M-Instruct {DTYPE}, vLLM 0.32 CPU", "dtype": DTYPE,
-           "chunk_tokens": CHUNK,
+           "chunk_tokens": args.chunk,
            "lengths": args.lengths, "reps": args.reps, "concurrency": args.concurrency,
            "elapsed_s": time.time() - t_start,
            "arms": {a: {k: v for k, v in r.items() if k != "rounds"} for a, r in results.items()}}

@@ -134,6 +134,7 @@ class KVFSConnector(KVConnectorBase_V1):
                                     self.chunk_size, self.kv_dtype)
         try:
             chosen = layouts.choose(geometry, tuple(tensors[0].shape[1:]), self.layout_name)
+            chosen.gather(tensors, [0] * geometry.blocks_per_chunk)  # the cache can be viewed in block order
         except ValueError as e:
             self.disabled_reason = str(e)
             log.warning("kvfs connector disabled on this worker: %s", e)
