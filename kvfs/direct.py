@@ -88,8 +88,9 @@ def read_object(loc: Location, offset: int = 0, length: int | None = None,
     except OSError as e:
         raise Unavailable(f"{loc.path}: {e.strerror}") from e
     try:
-        if os.fstat(fd).st_size != loc.stored_bytes:
-            raise fmt.CorruptObject(f"object is {os.fstat(fd).st_size} bytes, the index says {loc.stored_bytes}")
+        size = os.fstat(fd).st_size
+        if size != loc.stored_bytes:
+            raise fmt.CorruptObject(f"object is {size} bytes, the index says {loc.stored_bytes}")
         header, frames = _layout(fd, loc)
         end = header.raw_size if length is None else min(header.raw_size, offset + length)
         out = _buffer(max(0, end - offset), into)

@@ -67,14 +67,15 @@ from bench_tiers import fadvise_dontneed
 MODEL = REPO / ".venv/opt/models/SmolLM2-135M-Instruct"
 KVFS = [sys.executable, "-m", "kvfs"]
 DTYPE = vllm_driver.engine_dtype()  # bfloat16 where the CPU has bf16 instructions, else float32
-BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]  # all layers' K and V
+ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]
+BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * ELEMENT  # all layers' K and V
 CHUNK = 256  # tokens per chunk file (kvfs) and per LMCache chunk; --chunk changes both
 TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
 ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "lmcache",
         "vllm-prefix-cache"]
 ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3, "dtype": DTYPE}
 ENV = {"PYTHONHASHSEED": "0"}
-L1_GIB = 5.0 if BYTES_PER_TOKEN == 23_040 else 8.0  # kvfs L2 and LMCache L1 alike: all stored KV fits
+L1_GIB = 5.0 if ELEMENT == 2 else 8.0  # kvfs L2 and LMCache L1 alike: all stored KV fits
 MEMORY_BUDGET = f"{L1_GIB:g}G"
 
 

@@ -12,7 +12,7 @@ Layouts the connector knows:
 - `blocks`: any other per-layer tensor whose first dimension is the block (GPU backends, AMX packing): the
   block's bytes are stored as they are, in layer and block order. Bit-exact, just not reorganised.
 The layout name and geometry go into the namespace and every file's descriptor, so chunks of different
-layouts never mix. Everything here runs on the worker's forward thread and only copies.
+layouts never mix. gather runs on the worker's forward thread, scatter in its reader threads; both only copy.
 """
 
 from __future__ import annotations
