@@ -30,9 +30,9 @@ def main() -> None:
               help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G)")
 @click.option("--promote", metavar="POLICY",
               help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
-@click.option("--codec", type=click.Choice(["zstd", "deflate", "qat", "none"]),
-              help="codec for new frames (default zstd); qat = deflate on Intel QAT via QATzip, deflate = the same "
-                   "format through ISA-L")
+@click.option("--codec", type=click.Choice(["auto", "entropy", "zstd", "deflate", "qat", "none"]),
+              help="codec for new frames (default auto: per file, the smallest on a sample; entropy = the "
+                   "2-byte-float coder); qat = deflate on Intel QAT via QATzip, deflate = the same format through ISA-L")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "none"]),
               help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),

@@ -14,7 +14,7 @@ DEFAULT_L3_CAPACITY = 16 << 30  # local disk: an upper bound, nothing is preallo
 DEFAULT_HIGH_WATERMARK = 0.90  # the mover starts draining a tier above this fraction of its capacity …
 DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
-CODECS = ("zstd", "deflate", "qat", "none")
+CODECS = ("auto", "entropy", "zstd", "deflate", "qat", "none")
 DTYPES = ("auto", "bf16", "fp16", "none")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B?)\s*$", re.IGNORECASE)
@@ -88,7 +88,7 @@ class Config:
     l2: TierConfig
     l3: TierConfig | None = None
     promotion: PromotionPolicy = PromotionPolicy()
-    codec: str = "zstd"
+    codec: str = "auto"
     dtype: str = "auto"
     frame_size: int = DEFAULT_FRAME_SIZE
     max_dirty: int = 256 << 20  # bytes of unsaved frames across open files (build_config: default_max_dirty())
@@ -201,7 +201,7 @@ def build_config(
         raise ConfigError("L2 and L3 must be different directories")
     promotion = PromotionPolicy.parse(promote or mount_t.get("promote", "always"))
 
-    codec = codec or mount_t.get("codec", "zstd")
+    codec = codec or mount_t.get("codec", "auto")
     if codec not in CODECS:
         raise ConfigError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     dtype = dtype or mount_t.get("dtype", "auto")

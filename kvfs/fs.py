@@ -108,7 +108,7 @@ class Operations(pyfuse3.Operations):
         mover.open_file = self.open_files_get
         mover.drop_names = self.drop_evicted
         mover.forget_names = self.forget_names
-        self.codec = by_name(config.codec)
+        self.codec = None if config.codec == "auto" else by_name(config.codec)  # None: chosen per file
         self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
         self.lookups: dict[int, int] = {}
         self.open_files: dict[int, OpenFile] = {}

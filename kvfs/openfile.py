@@ -20,12 +20,12 @@ import threading
 import time
 from collections import OrderedDict
 
-import numpy as np
 import trio
 
 from . import codecs
 from . import format as fmt
 from .codecs import transforms
+from .codecs.entropy import EntropyCodec, stride_from_shape
 from .index import Index
 from .store import Layout, ObjectRef, Store
 
@@ -92,50 +92,84 @@ class DirtyBudget:
 
 
 class EncodingPolicy:
-    """How new frames of a file are encoded: codec and transform (per file, from dtype or a sample)."""
+    """How new frames of a file are encoded: codec, transform and codec parameters, chosen once per file.
 
-    def __init__(self, codec: codecs.Codec, dtype: str, shape: bytes | None = None) -> None:
-        self.codec = codec
+    codec None is the mount's `auto`: the first frame's sample is compressed by each candidate (the entropy
+    coder for 2-byte floats, zstd on byte planes, zstd on raw bytes) and the smallest wins. A file's dtype,
+    when known, narrows the candidates; its shape hint gives the entropy coder its channel stride. Either way
+    a frame that does not shrink is stored raw (format.encode_frame)."""
+
+    def __init__(self, codec: codecs.Codec | None, dtype: str, shape: bytes | None = None) -> None:
+        self.requested = codec
         self.shape = shape  # user.kvfs.shape, validated; goes into the header (tag EXT_SHAPE)
-        self._choosing = threading.Lock()  # the first frames of a file may be encoded in parallel
         self.dtype = dtype  # 'auto', 'none' or a format.DTYPES name
-        self.transform: int | None = None if dtype == "auto" else _transform_for_dtype(dtype)
-        if codec.id == codecs.NoneCodec.id:
-            self.transform = transforms.IDENTITY
+        self._choosing = threading.Lock()  # the first frames of a file may be encoded in parallel
+        self.codec: codecs.Codec | None = None
+        self.transform: int | None = None
+        if codec is not None and codec.id == codecs.NoneCodec.id:
+            self.codec, self.transform = codec, transforms.IDENTITY
+        elif codec is not None and dtype != "auto" and codec.id != EntropyCodec.id:
+            self.codec, self.transform = codec, _transform_for_dtype(dtype)
 
     @property
     def element_size(self) -> int:
         if self.dtype in fmt.DTYPE_ELEMENT_SIZE:
             return fmt.DTYPE_ELEMENT_SIZE[self.dtype]
-        return 2 if self.transform == transforms.BYTEPLANE2 else 1
+        two_byte = self.transform == transforms.BYTEPLANE2 or (self.codec is not None and self.codec.id == EntropyCodec.id)
+        return 2 if two_byte else 1
+
+    @property
+    def codec_id(self) -> int:
+        """The codec recorded in the header (informational): the chosen one, else what was asked for."""
+        chosen = self.codec or self.requested
+        return chosen.id if chosen is not None else codecs.ZstdCodec.id
 
     def encode(self, raw) -> fmt.EncodedFrame:
         """Runs in a worker thread."""
         if self.transform is None:
             with self._choosing:
                 if self.transform is None:
-                    self.transform = self._choose_transform(raw)
+                    self.codec, self.transform = self._choose(raw)
         return fmt.encode_frame(raw, self.codec.encoder(), self.transform)
 
-    def _choose_transform(self, raw) -> int:
-        """Byte planes when they lower the order-0 entropy of a sample (what the codec's entropy stage sees).
-        The sample is spread over the frame: the first rows of a KV block can be atypical."""
-        n = len(raw) // 2 * 2
-        piece = SAMPLE_BYTES // SAMPLE_PIECES
-        pieces = [bytes(raw[start:start + piece])
-                  for start in sorted({(n * k // SAMPLE_PIECES) // 2 * 2 for k in range(SAMPLE_PIECES)})]
-        sample = np.frombuffer(b"".join(p[: len(p) // 2 * 2] for p in pieces), dtype=np.uint8)
-        if sample.size < 512:
-            return transforms.IDENTITY
-        planes = _entropy_bits(sample[1::2]) + _entropy_bits(sample[0::2])
-        return transforms.BYTEPLANE2 if planes < 0.97 * _entropy_bits(sample) else transforms.IDENTITY
+    def _choose(self, raw) -> tuple[codecs.Codec, int]:
+        sample = _sample(raw)
+        candidates = self._candidates()
+        if len(candidates) == 1 or len(sample) < 512:
+            return candidates[0]
+        return min(candidates, key=lambda c: len(c[0].compress(transforms.apply(c[1], sample))))
+
+    def _candidates(self) -> list[tuple[codecs.Codec, int]]:
+        element = fmt.DTYPE_ELEMENT_SIZE.get(self.dtype)
+        entropy = codecs.by_id(EntropyCodec.id).with_stride(self._stride())
+        if self.requested is not None:  # entropy asked for, or any codec with dtype auto
+            if self.requested.id == EntropyCodec.id:
+                return [(entropy, transforms.IDENTITY)] if element in (None, 2) else [(codecs.by_name("zstd"), transforms.IDENTITY)]
+            return [(self.requested, transforms.BYTEPLANE2), (self.requested, transforms.IDENTITY)]
+        zstd = codecs.by_name("zstd")
+        if element == 2:
+            return [(entropy, transforms.IDENTITY), (zstd, transforms.BYTEPLANE2)]
+        if element is not None:
+            return [(zstd, transforms.IDENTITY)]
+        return [(entropy, transforms.IDENTITY), (zstd, transforms.BYTEPLANE2), (zstd, transforms.IDENTITY)]
+
+    def _stride(self) -> int:
+        if not self.shape:
+            return 1
+        try:
+            return stride_from_shape(fmt.parse_shape_hint(self.shape)[1])
+        except ValueError:
+            return 1
 
 
-def _entropy_bits(symbols: np.ndarray) -> float:
-    """Order-0 entropy of a byte array, in bits (total)."""
-    counts = np.bincount(symbols, minlength=256)
-    p = counts[counts > 0] / symbols.size
-    return float(-(p * np.log2(p)).sum() * symbols.size)
+def _sample(raw) -> bytes:
+    """SAMPLE_BYTES in SAMPLE_PIECES element-aligned pieces spread over the frame: the first rows of a KV
+    block can be atypical."""
+    n = len(raw) // 2 * 2
+    piece = SAMPLE_BYTES // SAMPLE_PIECES
+    starts = sorted({(n * k // SAMPLE_PIECES) // 2 * 2 for k in range(SAMPLE_PIECES)})
+    pieces = [bytes(raw[start:min(start + piece, n)]) for start in starts]
+    return b"".join(p[: len(p) // 2 * 2] for p in pieces)
 
 
 def _transform_for_dtype(dtype: str) -> int:
@@ -449,7 +483,7 @@ class OpenFile:
         else:
             header = fmt.Header(raw_size=size, frame_size=self.frame_size, n_frames=n,
                                 transform=self.policy.transform or transforms.IDENTITY,
-                                element_size=self.policy.element_size, codec=self.policy.codec.id,
+                                element_size=self.policy.element_size, codec=self.policy.codec_id,
                                 dtype=fmt.DTYPES.get(self.policy.dtype, 0),
                                 extensions=fmt.tlv(fmt.EXT_SHAPE, self.policy.shape) if self.policy.shape else b"")
             parts, entries = await self.store.cpu(fmt.build_object, header, frames)

@@ -157,7 +157,7 @@ def make_mount(tmp_path):
 
 @pytest.fixture
 def kvfs(make_mount) -> KvfsMount:
-    """A fresh mount with the default codec (zstd) and a 512 MiB L2."""
+    """A fresh mount with the default codec (auto) and a 512 MiB L2."""
     return make_mount().start()
 
 

@@ -28,7 +28,7 @@ def test_defaults_are_per_mountpoint(tmp_path, monkeypatch):
     a, b = build_config(tmp_path / "a"), build_config(tmp_path / "b")
     assert a.l2.path != b.l2.path and a.state_dir != b.state_dir
     assert str(a.l2.path).startswith("/dev/shm/") and a.state_dir.is_relative_to(tmp_path / "cache")
-    assert a.codec == "zstd" and a.l2.capacity == 1 << 30
+    assert a.codec == "auto" and a.l2.capacity == 1 << 30
 
 
 def test_toml_then_command_line(tmp_path):

@@ -31,9 +31,10 @@ def test_real_kv_and_random_round_trip(make_mount, codec):
         assert stats["stored_bytes"] >= stats["logical_bytes"]
 
 
-@pytest.mark.parametrize("dtype,limit", [("bf16", 0.69), ("fp16", 0.87)])
+@pytest.mark.parametrize("dtype,limit", [("bf16", 0.67), ("fp16", 0.86)])
 def test_real_kv_ratio_in_vllm_block_order(make_mount, dtype, limit):
-    """The issue's ratio targets, measured through the mount on real KV (headers included)."""
+    """Ratio targets, measured through the mount on real KV in vLLM's block order, no hints, headers included:
+    the default codec picks the entropy coder from a sample."""
     m = make_mount().start()
     raw = stored = 0
     for src in kv_samples(dtype):
@@ -41,7 +42,7 @@ def test_real_kv_ratio_in_vllm_block_order(make_mount, dtype, limit):
         dst.write_bytes(src.read_bytes())
         raw += dst.stat().st_size
         stored += int(os.getxattr(dst, "user.kvfs.stored_bytes"))
-        assert os.getxattr(dst, "user.kvfs.transform") == b"byteplane2"  # chosen from a sample
+        assert os.getxattr(dst, "user.kvfs.codec") == b"entropy"  # chosen from a sample
     assert stored / raw <= limit, f"{dtype}: {stored / raw:.4f}"
 
 

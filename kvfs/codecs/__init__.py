@@ -1,6 +1,7 @@
 """Codecs behind one small interface and a registry of on-disk ids.
 
-Ids are part of the object format (docs/format.md) and never change meaning. `deflate` (2) and `qat` (3)
+Ids are part of the object format (docs/format.md) and never change meaning. `entropy` (4) is the default for 2-byte floats
+(codecs/entropy.py, a C kernel). `deflate` (2) and `qat` (3)
 share one bitstream (codecs/deflate.py): the id records which encoder wrote a frame, and either decodes it.
 Without libqatzip, frames of id 3 decode through ISA-L; `qat.install` registers the QATzip codec at mount.
 """
@@ -13,6 +14,7 @@ import zstandard
 
 from .base import Codec, CodecError
 from .deflate import DeflateCodec, decompress_members
+from .entropy import EntropyCodec
 
 __all__ = ["Codec", "CodecError", "REGISTRY", "by_id", "by_name", "register"]
 
@@ -83,8 +85,9 @@ class QatFormatDecoder:
         return decompress_members(data, raw_len)
 
 
-# id → codec; id 4 (entropy) is reserved for a later issue.
-REGISTRY: dict[int, Codec] = {c.id: c for c in (NoneCodec(), ZstdCodec(), DeflateCodec(), QatFormatDecoder())}
+# id → codec
+REGISTRY: dict[int, Codec] = {c.id: c for c in (NoneCodec(), ZstdCodec(), DeflateCodec(), QatFormatDecoder(),
+                                                 EntropyCodec())}
 BY_NAME: dict[str, Codec] = {c.name: c for c in REGISTRY.values()}
 
 
