@@ -121,8 +121,15 @@ class KvfsMount:
         return sorted(p for t in tiers for p in self.tier_dir(t).glob("*/*") if p.is_file())
 
     def check_accounting(self, stats: dict | None = None) -> None:
-        """Each tier's counters equal what its directory holds: no leaked, missing or half-written objects."""
-        stats = stats or self.stats()
+        """Each tier's counters equal what its directory holds: no leaked, missing or half-written objects.
+        Without given stats, waits up to 5 s for deletions still in flight (the daemon releases an object's
+        space, then removes its file in a worker thread)."""
+        if stats is None:
+            for _ in range(50):
+                stats = self.stats()
+                if all(t["files"] == len(self.objects(name)) for name, t in stats["tiers"].items()):
+                    break
+                time.sleep(0.1)
         for name, t in stats["tiers"].items():
             objects = self.objects(name)
             assert not [p for p in objects if p.name.endswith(".tmp")], objects

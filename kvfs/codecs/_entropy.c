@@ -19,7 +19,7 @@
 #define VERSION 1
 #define FIXED 16          /* bytes of the fixed payload header */
 #define MAX_STREAMS 8
-#define MAX_CTX 32
+#define MAX_CTX 64
 #define MAX_LEN 11        /* longest code; decode tables have 1 << MAX_LEN entries per context */
 #define MAX_STRIDE 4096
 #define GROUP 4           /* stride 1: elements that share one context (and one table lookup base) */

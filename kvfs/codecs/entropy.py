@@ -18,7 +18,7 @@ from .base import CodecError
 
 WINDOW_LOG = 4  # K = 16 previous exponents (16 vs 8 saves 0.01 bits/element on real KV; 32 gains nothing)
 MAX_STRIDE = 4096
-OVERHEAD = 16 + 4 * 8 + 32 * 130 + 16  # fixed header, stream sizes, tables, padding: bounds the payload
+OVERHEAD = 16 + 4 * 8 + 64 * 130 + 16  # fixed header, stream sizes, tables, padding: bounds the payload
 
 
 def _load() -> ctypes.CDLL:

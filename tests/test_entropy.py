@@ -1,0 +1,204 @@
+"""Codec 4 (entropy): bit-exact round trips, the never-larger rule, rejection of corrupt input, the mount's choice."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import kv_samples
+from kvfs import codecs, format as fmt
+from kvfs.codecs import entropy, transforms
+from kvfs.codecs.entropy import EntropyCodec, stride_from_shape
+
+
+def round_trip(data: bytes, stride: int = 1) -> bytes | None:
+    payload = entropy.encode(data, stride)
+    if payload is None:
+        return None
+    assert len(payload) < len(data)
+    out = bytearray(len(data))
+    entropy.decode_into(payload, out)
+    assert bytes(out) == data
+    return payload
+
+
+@pytest.mark.parametrize("stride", [1, 2, 64, 128, 4096])
+def test_real_kv_round_trips(stride):
+    for src in kv_samples("bf16") + kv_samples("fp16"):
+        data = src.read_bytes()
+        for start in (0, 1 << 20, 2 << 20):
+            frame = data[start:start + (1 << 20)]
+            assert round_trip(frame, stride) is not None, (src.name, stride)
+
+
+def test_real_bf16_compresses_near_the_entropy_limit():
+    raw = stored = 0
+    for src in kv_samples("bf16"):
+        data = src.read_bytes()
+        for start in range(0, len(data), 1 << 20):
+            raw += len(data[start:start + (1 << 20)])
+            stored += len(round_trip(data[start:start + (1 << 20)]))
+    assert stored / raw < 0.67
+
+
+def special_floats(dtype: str, n: int) -> bytes:
+    """NaN, ±Inf, ±0, subnormals and normal values mixed, as 16-bit patterns."""
+    specials = {"bf16": [0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0000, 0x8000, 0x0001, 0x807F, 0x3F80, 0xBF80],
+                "fp16": [0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x0000, 0x8000, 0x0001, 0x83FF, 0x3C00, 0xBC00]}[dtype]
+    rng = np.random.default_rng(7)
+    values = rng.choice(np.array(specials, dtype="<u2"), size=n)
+    values[::3] = rng.normal(0, 1, size=values[::3].size).astype(np.float32).view("<u4") >> 16
+    return values.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_nan_inf_zero_patterns(dtype):
+    for n in (1, 5, 4095, 4096, 4099, 100_003):
+        data = special_floats(dtype, n)
+        payload = entropy.encode(data)
+        if payload is not None:
+            round_trip(data)
+        assert fmt.decode_frame(_entry(data), _payload(data)) == data if payload else True
+
+
+def _frame(data: bytes) -> fmt.EncodedFrame:
+    return fmt.encode_frame(data, EntropyCodec(), transforms.IDENTITY)
+
+
+def _entry(data: bytes) -> fmt.FrameEntry:
+    f = _frame(data)
+    return fmt.FrameEntry(0, len(f.payload), f.raw_len, f.codec, f.transform, f.flags, f.stored_xxh3, f.raw_xxh3)
+
+
+def _payload(data: bytes) -> bytes:
+    return _frame(data).payload
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 15, 16, 17, 63, 8191, 8192, 8193, 1 << 20, (1 << 20) + 1])
+def test_tiny_odd_and_frame_sized_lengths(n):
+    rng = np.random.default_rng(n)
+    narrow = (rng.integers(0x3C00, 0x3C40, size=(n + 1) // 2, dtype=np.uint16)).tobytes()[:n]
+    for data in (narrow, bytes(n), rng.bytes(n)):
+        payload = entropy.encode(data)
+        if payload is not None:
+            round_trip(data)
+        frame = fmt.encode_frame(data, EntropyCodec(), transforms.IDENTITY)
+        entry = fmt.FrameEntry(0, len(frame.payload), frame.raw_len, frame.codec, frame.transform, frame.flags,
+                               frame.stored_xxh3, frame.raw_xxh3)
+        assert bytes(fmt.decode_frame(entry, frame.payload)) == data
+        assert len(frame.payload) <= len(data)  # never larger than raw: stored raw (codec 0) or a hole
+
+
+def test_random_and_zero_data_are_never_stored_larger():
+    rand = os.urandom(1 << 20)
+    assert entropy.encode(rand) is None
+    assert EntropyCodec().compress(rand) == rand  # encode_frame then stores it raw
+    frame = fmt.encode_frame(rand, EntropyCodec(), transforms.IDENTITY)
+    assert frame.codec == codecs.NoneCodec.id and len(frame.payload) == len(rand)
+    assert fmt.encode_frame(bytes(1 << 20), EntropyCodec(), transforms.IDENTITY).is_hole
+
+
+floats16 = st.integers(0, 40).flatmap(lambda spread: st.lists(
+    st.integers(0x3000, 0x3000 + spread * 256).map(lambda v: v.to_bytes(2, "little")), min_size=0, max_size=6000)
+).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.one_of(floats16, st.binary(max_size=20000)), tail=st.binary(max_size=1),
+       stride=st.sampled_from([1, 2, 3, 64, 4096]))
+def test_property_round_trip_or_not_smaller(data, tail, stride):
+    data += tail
+    payload = entropy.encode(data, stride)
+    if payload is None:
+        return
+    out = bytearray(len(data))
+    entropy.decode_into(payload, out)
+    assert bytes(out) == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut=st.integers(0, 10_000), flips=st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(1, 255)),
+                                                  min_size=1, max_size=8))
+def test_corrupt_payloads_fail_cleanly(cut, flips):
+    """The kernel itself never crashes or overruns on garbage (kvfs checks xxh3 before it runs anyway)."""
+    data = kv_samples("bf16")[0].read_bytes()[:1 << 16]
+    payload = bytearray(entropy.encode(data))
+    for pos, xor in flips:
+        payload[pos % len(payload)] ^= xor
+    if cut % 3 == 0:
+        payload = payload[:cut % len(payload)]
+    out = bytearray(len(data))
+    try:
+        entropy.decode_into(bytes(payload), out)
+    except codecs.CodecError:
+        return
+    # a flip inside the raw sign/mantissa plane decodes to other bytes: only the raw checksum can tell
+    assert bytes(out) != data or bytes(payload) == entropy.encode(data)
+
+
+def test_corrupt_frame_rejected_before_decoding():
+    data = kv_samples("bf16")[0].read_bytes()[:1 << 20]
+    frame = fmt.encode_frame(data, EntropyCodec(), transforms.IDENTITY)
+    assert frame.codec == EntropyCodec.id
+    bad = bytearray(frame.payload)
+    bad[len(bad) // 2] ^= 0x10
+    entry = fmt.FrameEntry(0, len(bad), frame.raw_len, frame.codec, frame.transform, frame.flags,
+                           frame.stored_xxh3, frame.raw_xxh3)
+    with pytest.raises(fmt.CorruptObject, match="payload checksum"):
+        fmt.decode_frame(entry, bytes(bad))
+
+
+def test_wrong_output_length_is_rejected():
+    data = kv_samples("bf16")[0].read_bytes()[:1 << 16]
+    payload = entropy.encode(data)
+    with pytest.raises(codecs.CodecError):
+        entropy.decode_into(payload, bytearray(len(data) - 2))
+
+
+def test_stride_from_shape_hint():
+    def hint(s):
+        return fmt.parse_shape_hint(s.encode())[1]
+    assert stride_from_shape(hint("offset=4096 layer=30 kv=2 head=3 channel=64 token=256")) == 1
+    assert stride_from_shape(hint("offset=0 layer=30 token=128 head=3 channel=64")) == 192
+    assert stride_from_shape(hint("offset=0 layer=30 block=2 element=8192")) == 1
+    assert stride_from_shape(hint("offset=0 token=16 channel=8192")) == 1  # beyond MAX_STRIDE: no stride
+
+
+def test_mount_chooses_per_file_and_reads_back_under_any_codec(make_mount):
+    """auto: entropy for 2-byte floats, zstd for text, raw for noise; files written so read back on a mount
+    configured for another codec (frames carry their codec)."""
+    m = make_mount().start()
+    kv = kv_samples("bf16")[0].read_bytes()
+    text = b"a line of text that is not float data\n" * 50_000
+    noise = os.urandom(3 << 20)
+    for name, data in (("kv.bin", kv), ("text.txt", text), ("noise.bin", noise)):
+        m.path(name).write_bytes(data)
+    assert os.getxattr(m.path("kv.bin"), "user.kvfs.codec") == b"entropy"
+    assert os.getxattr(m.path("text.txt"), "user.kvfs.codec") == b"zstd"
+    assert os.getxattr(m.path("noise.bin"), "user.kvfs.codec") == b"none"
+    chunk = m.path("chunk.kv")
+    chunk.touch()
+    os.setxattr(chunk, "user.kvfs.shape", b"offset=0 layer=30 kv=2 head=3 channel=64 token=128")
+    os.setxattr(chunk, "user.kvfs.dtype", b"bf16")
+    chunk.write_bytes(kv)
+    assert os.getxattr(chunk, "user.kvfs.codec") == b"entropy"
+    m.stop()
+    m.start("--codec", "zstd")
+    for name, data in (("kv.bin", kv), ("text.txt", text), ("noise.bin", noise), ("chunk.kv", kv)):
+        assert m.path(name).read_bytes() == data, name
+    assert os.getxattr(m.path("kv.bin"), "user.kvfs.codec") == b"entropy"
+
+
+def test_codec_option_entropy_on_non_float_data_stays_lossless(make_mount):
+    m = make_mount().start("--codec", "entropy")
+    text = b"plain text " * 100_000
+    m.path("t.txt").write_bytes(text)
+    assert m.path("t.txt").read_bytes() == text
+    kv = kv_samples("fp16")[0].read_bytes()
+    m.path("f.kv").write_bytes(kv)
+    assert os.getxattr(m.path("f.kv"), "user.kvfs.codec") == b"entropy"
+    assert int(os.getxattr(m.path("f.kv"), "user.kvfs.stored_bytes")) < 0.87 * len(kv)
