@@ -36,6 +36,7 @@ READ_AHEAD_FRAMES = 2  # frames decoded ahead of a sequential reader (one per co
 MAX_EAGER = 8  # eager frame encodes queued per file
 SAMPLE_BYTES = 64 << 10  # sampled (in SAMPLE_PIECES pieces) to choose a transform
 SAMPLE_PIECES = 4
+INCOMPRESSIBLE = 0.98  # auto: a first-frame sample that no codec shrinks below this is stored raw
 
 
 class FileCorrupt(Exception):
@@ -137,7 +138,11 @@ class EncodingPolicy:
         candidates = self._candidates()
         if len(candidates) == 1 or len(sample) < 512:
             return candidates[0]
-        return min(candidates, key=lambda c: len(c[0].compress(transforms.apply(c[1], sample))))
+        sizes = [len(codec.compress(transforms.apply(transform, sample))) for codec, transform in candidates]
+        best = min(range(len(candidates)), key=sizes.__getitem__)
+        if self.requested is None and sizes[best] > INCOMPRESSIBLE * len(sample):
+            return codecs.by_id(codecs.NoneCodec.id), transforms.IDENTITY  # noise: do not try every frame
+        return candidates[best]
 
     def _candidates(self) -> list[tuple[codecs.Codec, int]]:
         element = fmt.DTYPE_ELEMENT_SIZE.get(self.dtype)

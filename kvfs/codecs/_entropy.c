@@ -122,7 +122,8 @@ static inline size_t stream_start(size_t n, int n_streams, int s) { return n * (
 
 /* Context index of every element: clamp(round(mean of K previous e at stride d) - lo, 0, n_ctx - 1), where
  * history before a stream's first element is `fill`. Returns the rounded means in m (before clamping). */
-static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p) {
+/* Also counts the means in mhist (which the caller zeroes). */
+static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p, uint32_t *mhist) {
     const int K = 1 << p->window_log, d = p->stride;
     for (int s = 0; s < p->n_streams; s++) {
         size_t a = stream_start(p->n, p->n_streams, s), b = stream_start(p->n, p->n_streams, s + 1);
@@ -133,13 +134,15 @@ static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const pa
                 uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log);
                 size_t end = g + GROUP < b ? g + GROUP : b;
                 for (size_t i = g; i < end; i++) { m[i] = mv; S += e[i] - (i >= a + (size_t)K ? e[i - K] : p->fill); }
+                mhist[mv] += (uint32_t)(end - g);
             }
             for (; g + GROUP <= b; g += GROUP) {
                 uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log);
                 m[g] = m[g + 1] = m[g + 2] = m[g + 3] = mv;
+                mhist[mv] += GROUP;
                 S += (uint32_t)(e[g] + e[g + 1] + e[g + 2] + e[g + 3]) - (e[g - K] + e[g + 1 - K] + e[g + 2 - K] + e[g + 3 - K]);
             }
-            for (uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log); g < b; g++) m[g] = mv;
+            for (uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log); g < b; g++) { m[g] = mv; mhist[mv]++; }
             continue;
         }
         for (size_t i = a; i < b; i++) {
@@ -152,6 +155,7 @@ static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const pa
             }
             sums[i] = (uint16_t)S;
             m[i] = (uint8_t)((S + (K >> 1)) >> p->window_log);
+            mhist[m[i]]++;
         }
     }
 }
@@ -175,27 +179,19 @@ typedef uint16_t u16_unaligned __attribute__((aligned(1), may_alias));
 
 static inline void store_be64(uint8_t *p, uint64_t v) { v = __builtin_bswap64(v); memcpy(p, &v, 8); }
 
-/* Histogram in four interleaved tables: runs of equal values would otherwise serialise on one counter. */
-static void histogram(const uint8_t *restrict v, size_t n, uint32_t *restrict out) {
-    uint32_t h[4][256];
-    memset(h, 0, sizeof h);
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4) { h[0][v[i]]++; h[1][v[i + 1]]++; h[2][v[i + 2]]++; h[3][v[i + 3]]++; }
-    for (; i < n; i++) h[0][v[i]]++;
-    for (int k = 0; k < 256; k++) out[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
-}
 
-static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict m, const params_t *p,
-                              uint8_t *dst, size_t cap, uint8_t *out) {
-    /* count per (context, symbol), in four tables for the same reason as histogram() */
+/* m holds context means on entry and context indices (clamped) after. */
+static int64_t encode_streams(const uint8_t *restrict e, uint8_t *restrict m, const uint8_t *clamp,
+                              const params_t *p, uint8_t *dst, size_t cap, uint8_t *out) {
+    /* count per (context, symbol), in four tables for the same reason as the e sample */
     uint32_t (*cnt)[MAX_CTX][256] = calloc(4, sizeof *cnt);
     uint32_t (*code)[256] = malloc(MAX_CTX * sizeof *code);  /* code << 4 | length */
     if (!cnt || !code) { free(cnt); free(code); return KVEC_ERR_NOMEM; }
     size_t i = 0;
     for (; i + 4 <= p->n; i += 4) {
-        cnt[0][m[i]][e[i]]++; cnt[1][m[i + 1]][e[i + 1]]++; cnt[2][m[i + 2]][e[i + 2]]++; cnt[3][m[i + 3]][e[i + 3]]++;
+        for (int k = 0; k < 4; k++) { m[i + k] = clamp[m[i + k]]; cnt[k][m[i + k]][e[i + k]]++; }
     }
-    for (; i < p->n; i++) cnt[0][m[i]][e[i]]++;
+    for (; i < p->n; i++) { m[i] = clamp[m[i]]; cnt[0][m[i]][e[i]]++; }
     uint64_t total_bits = 0;
     int64_t rc = 0;
     for (int c = 0; c < p->n_ctx; c++) {
@@ -279,24 +275,21 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
         r[i] = (uint8_t)(((v >> 8) & 0x80) | (v & 0x7F));
     }
     if (tail) r[p.n] = src[n_bytes - 1];
-    uint32_t ehist[256];
-    histogram(e, p.n, ehist);
+    uint32_t ehist[256] = {0};
+    for (size_t i = 0; i < p.n; i += 7) ehist[e[i]]++;  /* fill: the most common value of a sample */
     int fill = 0;
     for (int s = 1; s < 256; s++) if (ehist[s] > ehist[fill]) fill = s;
     p.fill = fill;
 
-    context_means(e, m, sums, &p);
-    uint32_t mhist[256];
-    histogram(m, p.n, mhist);
+    uint32_t mhist[256] = {0};
+    context_means(e, m, sums, &p, mhist);
     p.n_ctx = choose_window(mhist, &p.ctx_lo);
     uint8_t clamp[256];
     for (int v = 0; v < 256; v++) {
         int c = v - p.ctx_lo;
         clamp[v] = (uint8_t)(c < 0 ? 0 : c >= p.n_ctx ? p.n_ctx - 1 : c);
     }
-    for (size_t i = 0; i < p.n; i++) m[i] = clamp[m[i]];
-
-    int64_t size = encode_streams(e, m, &p, dst, cap, r + p.n + tail);
+    int64_t size = encode_streams(e, m, clamp, &p, dst, cap, r + p.n + tail);
     if (size < 0) return size;
     dst[0] = VERSION; dst[1] = 0; dst[2] = (uint8_t)p.window_log; dst[3] = (uint8_t)p.n_streams;
     put_u32(dst + 4, (uint32_t)p.n);
@@ -310,7 +303,8 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
 
 typedef struct { const uint8_t *base; uint64_t pos, end; uint8_t *e; uint16_t *sums; size_t left; uint32_t S; } stream_t;
 
-/* Build the decode table of one context: entry = symbol | length << 8, 1 << L entries. Codes must form a
+/* Build the decode table of one context: entry = length | symbol << 8, 1 << L entries. (Length in the low
+ * bits: shifts take the entry as their count, and summing entries sums lengths and symbols at once.) Codes must form a
  * complete prefix code (Huffman always does), except a single symbol of length 1. */
 static int build_decode_table(const uint8_t *len, int L, uint16_t *tab) {
     uint32_t codes[256];
@@ -321,16 +315,16 @@ static int build_decode_table(const uint8_t *len, int L, uint16_t *tab) {
         if (len[s]) { used++; kraft += 1u << (L - len[s]); }
     }
     if (used == 0) {  /* a context no element uses: any entry is wrong data, caught by the stream checks */
-        for (int i = 0; i < (1 << L); i++) tab[i] = (uint16_t)(1 << 8);
+        for (int i = 0; i < (1 << L); i++) tab[i] = 1;
         return 0;
     }
     if (used == 1 ? kraft != (1u << (L - 1)) : kraft != (1u << L)) return KVEC_ERR_FORMAT;
     canonical_codes(len, codes);
-    for (int i = 0; i < (1 << L); i++) tab[i] = (uint16_t)(1 << 8);
+    for (int i = 0; i < (1 << L); i++) tab[i] = 1;
     for (int s = 0; s < 256; s++) {
         if (!len[s]) continue;
         uint32_t first = codes[s] << (L - len[s]), n = 1u << (L - len[s]);
-        for (uint32_t k = 0; k < n; k++) tab[first + k] = (uint16_t)(s | len[s] << 8);
+        for (uint32_t k = 0; k < n; k++) tab[first + k] = (uint16_t)(len[s] | s << 8);
     }
     return 0;
 }
@@ -342,8 +336,8 @@ static int build_decode_table(const uint8_t *len, int L, uint16_t *tab) {
         uint64_t v_ = load_be64((base) + ((pos) >> 3)) << ((pos) & 7);                        \
         uint32_t S_ = (sums)[0];                                                              \
         uint16_t ent_ = tab[ctxmap[S_] + (uint32_t)(v_ >> shift)];                            \
-        uint32_t sym_ = ent_ & 0xFF;                                                          \
-        (pos) += ent_ >> 8;                                                                   \
+        uint32_t sym_ = ent_ >> 8;                                                            \
+        (pos) += ent_ & 0xF;                                                                  \
         *(e) = (uint8_t)sym_;                                                                 \
         (sums)[d] = (uint16_t)(S_ + sym_ - (e)[-K * d]);                                      \
         (e)++; (sums)++;                                                                      \
@@ -363,9 +357,9 @@ static int run_one(stream_t *st, size_t from, const uint16_t *restrict tab, cons
             if (j % GROUP == 0) off = ctxmap[S];
             uint64_t v = load_be64(base + (pos >> 3)) << (pos & 7);
             uint16_t ent = tab[off + (uint32_t)(v >> shift)];
-            pos += ent >> 8;
-            *e = (uint8_t)ent;
-            S = S + (uint8_t)ent - e[-K];
+            pos += ent & 0xF;
+            *e = (uint8_t)(ent >> 8);
+            S = S + (ent >> 8) - e[-K];
             e++;
         } else {
             STEPD(pos, base, e, sums);
@@ -380,21 +374,20 @@ static int run_one(stream_t *st, size_t from, const uint16_t *restrict tab, cons
  * registers: per stream one word, bit position in the low half and the context window sum in the high. */
 #define FAST_STEP(k)                                                                          \
     ent = tb[bb >> (64 - MAX_LEN)];                                                           \
-    bb <<= ent >> 8;                                                                          \
-    used += ent >> 8;                                                                         \
-    ep[k] = (uint8_t)ent;                                                                     \
-    sum += (uint8_t)ent;
+    bb <<= ent & 63;                                                                          \
+    acc += ent;                                                                               \
+    ep[k] = (uint8_t)(ent >> 8);
 #define FAST_GROUP(s)                                                                         \
     do {                                                                                      \
         uint64_t w = state##s;                                                                \
-        uint32_t pos = (uint32_t)w, ent, used = 0;                                            \
-        int32_t sum = 0;                                                                      \
+        uint32_t pos = (uint32_t)w, ent, acc = 0;                                             \
         uint64_t bb = load_be64(base[s] + (pos >> 3)) << (pos & 7);                           \
         const uint16_t *tb = tab + ctxmap[w >> 32];                                           \
         uint8_t *ep = e[s] + j;                                                               \
         FAST_STEP(0) FAST_STEP(1) FAST_STEP(2) FAST_STEP(3)                                   \
-        sum -= ep[-16] + ep[-15] + ep[-14] + ep[-13];                                         \
-        state##s = w + used + ((uint64_t)(int64_t)sum << 32);                                 \
+        /* acc: lengths summed in the low byte (<= 44), symbols from bit 8 */                 \
+        int32_t sum = (int32_t)(acc >> 8) - (ep[-16] + ep[-15] + ep[-14] + ep[-13]);           \
+        state##s = w + (acc & 0xFF) + ((uint64_t)(int64_t)sum << 32);                          \
         bad |= (uint32_t)state##s > end[s];                                                   \
     } while (0)
 
