@@ -33,8 +33,11 @@ def main() -> None:
 @click.option("--codec", type=click.Choice(["auto", "entropy", "zstd", "deflate", "qat", "none"]),
               help="codec for new frames (default auto: per file, the smallest on a sample; entropy = the "
                    "2-byte-float coder); qat = deflate on Intel QAT via QATzip, deflate = the same format through ISA-L")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "none"]),
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32", "none"]),
               help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
+@click.option("--lossy", "lossy_mode", metavar="MODE",
+              help="opt-in lossy mode for all files of known dtype: none (default), mantissa:K (drop K mantissa "
+                   "bits), fp8[:G] (FP8 E4M3, one scale per G values); per file or directory: user.kvfs.lossy")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="TOML configuration file")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="where the index lives")
@@ -42,12 +45,12 @@ def main() -> None:
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
-def mount(mountpoint, l2, l3, promote, codec, dtype, config_file, state_dir, allow_other, foreground, log_file,
-          debug):
+def mount(mountpoint, l2, l3, promote, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
+          log_file, debug):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, promote=promote, codec=codec,
-                           dtype=dtype, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
+                           dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
                            debug=debug, log_file=log_file)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None

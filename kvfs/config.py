@@ -9,13 +9,15 @@ import re
 import tomllib
 from pathlib import Path
 
+from . import lossy
+
 DEFAULT_L2_CAPACITY = 1 << 30  # a modest 1 GiB of tmpfs
 DEFAULT_L3_CAPACITY = 16 << 30  # local disk: an upper bound, nothing is preallocated
 DEFAULT_HIGH_WATERMARK = 0.90  # the mover starts draining a tier above this fraction of its capacity …
 DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
 CODECS = ("auto", "entropy", "zstd", "deflate", "qat", "none")
-DTYPES = ("auto", "bf16", "fp16", "none")
+DTYPES = ("auto", "bf16", "fp16", "fp32", "none")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -90,12 +92,17 @@ class Config:
     promotion: PromotionPolicy = PromotionPolicy()
     codec: str = "auto"
     dtype: str = "auto"
+    lossy: str = "none"  # opt-in lossy mode for every file whose dtype is known (kvfs/lossy.py)
     frame_size: int = DEFAULT_FRAME_SIZE
     max_dirty: int = 256 << 20  # bytes of unsaved frames across open files (build_config: default_max_dirty())
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
     log_file: Path | None = None
+
+    @property
+    def lossy_mode(self) -> lossy.Lossy:
+        return lossy.parse(self.lossy)
 
     @property
     def index_path(self) -> Path:
@@ -178,6 +185,7 @@ def build_config(
     promote: str | None = None,
     codec: str | None = None,
     dtype: str | None = None,
+    lossy_mode: str | None = None,
     state_dir: str | Path | None = None,
     allow_other: bool | None = None,
     foreground: bool = False,
@@ -207,6 +215,11 @@ def build_config(
     dtype = dtype or mount_t.get("dtype", "auto")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    lossy_spec = lossy_mode or mount_t.get("lossy", "none")
+    try:
+        lossy_spec = lossy.parse(lossy_spec).describe()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     frame_size = parse_size(mount_t.get("frame_size", DEFAULT_FRAME_SIZE))
     if frame_size % 4096 or not (64 << 10) <= frame_size <= (16 << 20):
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
@@ -220,6 +233,7 @@ def build_config(
         promotion=promotion,
         codec=codec,
         dtype=dtype,
+        lossy=lossy_spec,
         frame_size=frame_size,
         max_dirty=max_dirty,
         allow_other=bool(mount_t.get("allow_other", False) if allow_other is None else allow_other),

@@ -32,6 +32,7 @@ FRAME_ENTRY = struct.Struct("<QIIBBHQQ")
 CHECKSUM = struct.Struct("<Q")
 
 FRAME_HOLE = 0x1  # no payload: raw_len zero bytes
+LOSSY_MODES = (0, 1, 2)  # lossless, mantissa rounding, fp8 (kvfs/lossy.py)
 
 DTYPES = {"unknown": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "int8": 6}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -85,7 +86,7 @@ class Header:
     element_size: int = 1
     codec: int = 0
     dtype: int = 0
-    lossy_mode: int = 0  # 0 = lossless; modes arrive with the lossy issue
+    lossy_mode: int = 0  # 0 = lossless, 1 = mantissa rounding, 2 = fp8 (kvfs/lossy.py)
     lossy_param: int = 0
     flags: int = 0
     extensions: bytes = b""  # TLVs: u16 tag, u16 length, value; unknown tags are skipped by readers
@@ -120,6 +121,15 @@ class FrameEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Params:
+    """How a lossy FP8 frame is formed (kvfs/lossy.py): the file's dtype, values per scale, exact leading bytes."""
+
+    dtype: str
+    group: int
+    skip: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class EncodedFrame:
     """A frame ready to be placed in an object (offset assigned when the object is laid out)."""
 
@@ -145,11 +155,21 @@ class EncodedFrame:
         return bool(self.flags & FRAME_HOLE)
 
 
-def encode_frame(raw, codec: codecs.Codec, transform: int) -> EncodedFrame:
-    """Compress one frame; all-zero frames become holes, incompressible ones are stored raw."""
+def encode_frame(raw, codec: codecs.Codec, transform: int, fp8: "Fp8Params | None" = None) -> EncodedFrame:
+    """Compress one frame; all-zero frames become holes, incompressible ones are stored raw (and then
+    exactly: a lossy frame that would not shrink keeps its original bytes). With fp8, the frame is stored in
+    the lossy FP8E4M3 form, and its raw checksum covers what reads will return."""
     raw_len = len(raw)
     if raw_len == 0 or not np.frombuffer(raw, dtype=np.uint8).any():
         return EncodedFrame.hole(raw_len)
+    if fp8 is not None:
+        from . import lossy
+        stored = lossy.fp8_encode(raw, fp8.dtype, fp8.group, fp8.skip)
+        payload = codec.compress(stored)
+        if len(payload) < raw_len:
+            return EncodedFrame(payload, raw_len, codec.id, transforms.FP8E4M3, 0, xxh3(payload),
+                                xxh3(lossy.fp8_decode(stored, raw_len)))
+        transform = transforms.IDENTITY
     raw_hash = xxh3(raw)
     if codec.id != codecs.NoneCodec.id:
         payload = codec.compress(transforms.apply(transform, raw))
@@ -166,7 +186,8 @@ def decode_frame(entry: FrameEntry, payload: bytes | memoryview) -> bytes:
     if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
         raise CorruptObject("frame payload checksum mismatch")
     try:
-        data = transforms.invert(entry.transform, codecs.by_id(entry.codec).decompress(payload, entry.raw_len))
+        data = transforms.invert(entry.transform, codecs.by_id(entry.codec).decompress(payload, entry.raw_len),
+                                 entry.raw_len)
     except (codecs.CodecError, ValueError) as e:  # unreachable unless xxh3 collides; still never data
         raise CorruptObject(f"frame does not decode: {e}") from e
     if len(data) != entry.raw_len or xxh3(data) != entry.raw_xxh3:
@@ -212,6 +233,8 @@ def parse_header(buf: bytes | memoryview) -> Header:
         raise CorruptObject("header checksum mismatch")
     if version != VERSION:
         raise CorruptObject(f"unsupported object version {version}")
+    if lossy_mode not in LOSSY_MODES:
+        raise CorruptObject(f"unknown lossy mode {lossy_mode}")  # its values could not be interpreted
     if frame_size == 0 or raw_size > MAX_FILE_SIZE or n_frames != -(-raw_size // frame_size):
         raise CorruptObject("inconsistent sizes in header")
     ext = bytes(buf[HEADER_FIXED.size:body_end])

@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from . import direct
+from . import lossy as lossy_modes
 from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
@@ -44,6 +45,7 @@ BLOCK = 4096  # statfs block unit
 XA_PREFIX = b"user.kvfs."
 XA_DTYPE = b"user.kvfs.dtype"
 XA_SHAPE = b"user.kvfs.shape"  # a layout hint from the writer (the connector); recorded in the object header
+XA_LOSSY = b"user.kvfs.lossy"  # opt-in lossy mode (kvfs/lossy.py), on files or directories (inherited at create)
 INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes", b"user.kvfs.transform")
 XA_OBJECT = direct.XA_OBJECT.encode()  # where the object lies, for readers past FUSE; readable, not listed
 IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT)  # set/remove succeed and change nothing (cp -a, rsync -X)
@@ -275,7 +277,17 @@ class Operations(pyfuse3.Operations):
     def _policy(self, ino: int) -> EncodingPolicy:
         dtype = self.index.get_xattr(ino, XA_DTYPE)
         return EncodingPolicy(self.codec, dtype.decode() if dtype else self.config.dtype,
-                              self.index.get_xattr(ino, XA_SHAPE))
+                              self.index.get_xattr(ino, XA_SHAPE), self._lossy(ino))
+
+    def _lossy(self, ino: int) -> lossy_modes.Lossy:
+        value = self.index.get_xattr(ino, XA_LOSSY)
+        return lossy_modes.parse(value) if value is not None else self.config.lossy_mode
+
+    def _inherit(self, parent: int, ino: int) -> None:
+        """New files and directories take their directory's lossy opt-in."""
+        value = self.index.get_xattr(parent, XA_LOSSY)
+        if value is not None:
+            self.index.set_xattr(ino, XA_LOSSY, value)
 
     def _acquire(self, ino: int, row) -> OpenFile:
         state = self.open_files.get(ino)
@@ -350,6 +362,7 @@ class Operations(pyfuse3.Operations):
         if self.index.lookup(parent_inode, name) is not None:
             raise _err(errno.EEXIST)
         ino = self.index.create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        self._inherit(parent_inode, ino)
         row = self._row(ino)
         state = self._acquire(ino, row)
         fh = self._new_handle(Handle(ino, state, flags))
@@ -411,6 +424,8 @@ class Operations(pyfuse3.Operations):
         if self.index.lookup(parent, name) is not None:
             raise _err(errno.EEXIST)
         ino = self.index.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        if target is None:
+            self._inherit(parent, ino)
         return self._entry(ino)
 
     @_guard
@@ -631,7 +646,7 @@ class Operations(pyfuse3.Operations):
             self.index.set_xattr(inode, name, dtype.encode())
             state = self.open_files.get(inode)
             if state is not None:
-                state.policy = EncodingPolicy(self.codec, dtype, state.policy.shape)
+                state.policy = EncodingPolicy(self.codec, dtype, state.policy.shape, state.policy.lossy)
             return
         if name == XA_SHAPE:
             try:
@@ -643,6 +658,17 @@ class Operations(pyfuse3.Operations):
             state = self.open_files.get(inode)
             if state is not None:
                 state.policy.shape = bytes(value).strip()
+            return
+        if name == XA_LOSSY:
+            try:
+                mode = lossy_modes.parse(bytes(value))
+            except ValueError as e:
+                log.info("rejected user.kvfs.lossy=%r: %s", bytes(value)[:40], e)
+                raise _err(errno.EINVAL) from None
+            self.index.set_xattr(inode, name, mode.describe().encode())
+            state = self.open_files.get(inode)
+            if state is not None:
+                state.policy.lossy = mode
             return
         if name.startswith(XA_PREFIX):
             raise _err(errno.EOPNOTSUPP)
@@ -661,6 +687,8 @@ class Operations(pyfuse3.Operations):
             self.open_files[inode].policy = self._policy(inode)
         if name == XA_SHAPE and inode in self.open_files:
             self.open_files[inode].policy.shape = None
+        if name == XA_LOSSY and inode in self.open_files:
+            self.open_files[inode].policy.lossy = self.config.lossy_mode
 
     # -- corruption, stats, shutdown ----------------------------------------------------------------
     async def drop_corrupt(self, err: FileCorrupt) -> None:

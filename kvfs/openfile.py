@@ -25,6 +25,7 @@ import trio
 from . import codecs
 from . import format as fmt
 from .codecs import transforms
+from . import lossy as lossy_modes
 from .codecs.entropy import EntropyCodec, stride_from_shape
 from .index import Index
 from .store import Layout, ObjectRef, Store
@@ -100,10 +101,12 @@ class EncodingPolicy:
     when known, narrows the candidates; its shape hint gives the entropy coder its channel stride. Either way
     a frame that does not shrink is stored raw (format.encode_frame)."""
 
-    def __init__(self, codec: codecs.Codec | None, dtype: str, shape: bytes | None = None) -> None:
+    def __init__(self, codec: codecs.Codec | None, dtype: str, shape: bytes | None = None,
+                 lossy: lossy_modes.Lossy = lossy_modes.LOSSLESS) -> None:
         self.requested = codec
         self.shape = shape  # user.kvfs.shape, validated; goes into the header (tag EXT_SHAPE)
         self.dtype = dtype  # 'auto', 'none' or a format.DTYPES name
+        self.lossy = lossy  # asked for (user.kvfs.lossy or the mount's setting); see `effective_lossy`
         self._choosing = threading.Lock()  # the first frames of a file may be encoded in parallel
         self.codec: codecs.Codec | None = None
         self.transform: int | None = None
@@ -125,13 +128,59 @@ class EncodingPolicy:
         chosen = self.codec or self.requested
         return chosen.id if chosen is not None else codecs.ZstdCodec.id
 
-    def encode(self, raw) -> fmt.EncodedFrame:
-        """Runs in a worker thread."""
+    @property
+    def effective_lossy(self) -> lossy_modes.Lossy:
+        """The lossy mode new frames get: the one asked for, where it applies to the file's dtype."""
+        try:
+            lossy_modes.check_applicable(self.lossy, self.dtype)
+        except ValueError:
+            return lossy_modes.LOSSLESS
+        return self.lossy
+
+    @property
+    def lossy_header(self) -> tuple[int, int]:
+        mode = self.effective_lossy
+        return mode.mode, mode.header_param(self.fp8_group())
+
+    def encode(self, raw, offset: int = 0) -> fmt.EncodedFrame:
+        """Encode the frame at byte `offset` of the file. Runs in a worker thread."""
+        mode = self.effective_lossy
+        skip = max(0, self._payload_offset() - offset)  # bytes before the shape hint's offset stay exact
+        if mode.mode == lossy_modes.MANTISSA:
+            raw = lossy_modes.round_mantissa(raw, self.dtype, mode.param, skip)
+        elif mode.mode == lossy_modes.FP8:
+            return fmt.encode_frame(raw, codecs.by_name("zstd"), transforms.IDENTITY,
+                                    fp8=fmt.Fp8Params(self.dtype, self.fp8_group(), skip))
         if self.transform is None:
             with self._choosing:
                 if self.transform is None:
                     self.codec, self.transform = self._choose(raw)
         return fmt.encode_frame(raw, self.codec.encoder(), self.transform)
+
+    def fp8_group(self) -> int:
+        """Values per fp8 scale: asked for, else a channel's tokens (shape hint with `token` innermost), else 64."""
+        if self.lossy.param and self.lossy.mode == lossy_modes.FP8:
+            return self.lossy.param
+        dims = self._dims()
+        if dims and dims[-1][0] == "token" and 16 <= dims[-1][1] <= lossy_modes.MAX_GROUP:
+            return 1 << (dims[-1][1].bit_length() - 1)  # a power of two (the header keeps its log2)
+        return lossy_modes.DEFAULT_GROUP
+
+    def _dims(self) -> list[tuple[str, int]]:
+        if not self.shape:
+            return []
+        try:
+            return fmt.parse_shape_hint(self.shape)[1]
+        except ValueError:
+            return []
+
+    def _payload_offset(self) -> int:
+        if not self.shape:
+            return 0
+        try:
+            return fmt.parse_shape_hint(self.shape)[0]
+        except ValueError:
+            return 0
 
     def _choose(self, raw) -> tuple[codecs.Codec, int]:
         sample = _sample(raw)
@@ -159,12 +208,8 @@ class EncodingPolicy:
         return [(entropy, transforms.IDENTITY), (zstd, transforms.BYTEPLANE2), (zstd, transforms.IDENTITY)]
 
     def _stride(self) -> int:
-        if not self.shape:
-            return 1
-        try:
-            return stride_from_shape(fmt.parse_shape_hint(self.shape)[1])
-        except ValueError:
-            return 1
+        dims = self._dims()
+        return stride_from_shape(dims) if dims else 1
 
 
 def _sample(raw) -> bytes:
@@ -425,7 +470,7 @@ class OpenFile:
 
     async def _encode_in_background(self, i: int, df: DirtyFrame, version: int, done: trio.Event) -> None:
         try:
-            encoded = await self.store.cpu(self.policy.encode, df.buf)
+            encoded = await self.store.cpu(self.policy.encode, df.buf, i * self.frame_size)
             self.counters.frames_encoded += 1
             if df.version == version and self.dirty.get(i) is df:
                 df.encoded = (version, encoded)
@@ -490,6 +535,7 @@ class OpenFile:
                                 transform=self.policy.transform or transforms.IDENTITY,
                                 element_size=self.policy.element_size, codec=self.policy.codec_id,
                                 dtype=fmt.DTYPES.get(self.policy.dtype, 0),
+                                lossy_mode=self.policy.lossy_header[0], lossy_param=self.policy.lossy_header[1],
                                 extensions=fmt.tlv(fmt.EXT_SHAPE, self.policy.shape) if self.policy.shape else b"")
             parts, entries = await self.store.cpu(fmt.build_object, header, frames)
             gen = self.next_gen
@@ -515,7 +561,7 @@ class OpenFile:
         self.ref = ref
         self._layout = (ref, layout) if ref is not None else None
         self.cache.clear()
-        if ref is not None:
+        if ref is not None and self.policy.effective_lossy.lossless:  # lossy: reads must see stored values
             for i in sorted(self.dirty)[-CACHE_FRAMES:]:
                 self._cache_put((ref.gen, i), memoryview(self.dirty[i].buf)[: self._frame_len(i, size)])
         self._drop_dirty(self.dirty)
@@ -529,7 +575,7 @@ class OpenFile:
             frames[i] = df.encoded_as(length)
             if frames[i] is not None:
                 return
-        frames[i] = await self.store.cpu(self.policy.encode, memoryview(df.buf)[:length])
+        frames[i] = await self.store.cpu(self.policy.encode, memoryview(df.buf)[:length], i * self.frame_size)
         self.counters.frames_encoded += 1
 
     async def _copy_into(self, frames: list, i: int, ref: ObjectRef, entry: fmt.FrameEntry) -> None:

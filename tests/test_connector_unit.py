@@ -107,6 +107,27 @@ def test_settings_are_checked():
         Settings.from_extra({"mount": "/m", "chunk_size": 200}).chunk_tokens(128)
     with pytest.raises(ValueError, match="on_load_error"):
         Settings.from_extra({"mount": "/m", "on_load_error": "ignore"})
+    assert Settings.from_extra({"mount": "/m"}).lossy_mode == "none"
+    assert Settings.from_extra({"mount": "/m", "lossy": "FP8"}).lossy_mode == "fp8"
+    with pytest.raises(ValueError, match="lossy"):
+        Settings.from_extra({"mount": "/m", "lossy": "int2"})
+
+
+def test_lossy_chunks_have_their_own_namespace_and_descriptor():
+    """A lossy tenant never feeds lossless readers: other directory, other descriptor (a mismatch on load)."""
+    lossy_key = naming.NamespaceKey(**{**KEY.__dict__, "lossy": "mantissa:3"})
+    assert lossy_key.namespace() != KEY.namespace()
+    buf, tokens = _chunk()
+    with pytest.raises(chunkfile.ChunkMismatch, match="layout"):
+        chunkfile.verify(buf, first_token=256, n_tokens=256, expected_tokens=chunkfile.token_digest(tokens),
+                         descriptor={**DESC, "lossy": "fp8"})
+    # a lossy chunk reads back as other values: its payload checksum is not the test (kvfs checks each frame)
+    parts = chunkfile.build(256, 256, chunkfile.token_digest(tokens), {**DESC, "lossy": "fp8"}, b"\x01\x02" * 500)
+    changed = bytearray(b"".join(bytes(p) for p in parts))
+    changed[-3] ^= 0x10
+    out = chunkfile.verify(changed, first_token=256, n_tokens=256, expected_tokens=chunkfile.token_digest(tokens),
+                           descriptor={**DESC, "lossy": "fp8"})
+    assert len(out) == 1000
 
 
 def test_mount_guard(tmp_path):

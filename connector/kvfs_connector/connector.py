@@ -94,7 +94,8 @@ class KVFSConnector(KVConnectorBase_V1):
                     head_size=spec.head_size, block_size=self.block_size, chunk_size=self.chunk_size,
                     layout=self.layout_name, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
                     pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size,
-                    hash_algo=cfg.cache_config.prefix_caching_hash_algo, hash_seed_id=seed_identity(none_hash))
+                    hash_algo=cfg.cache_config.prefix_caching_hash_algo, hash_seed_id=seed_identity(none_hash),
+                    **({} if self.settings.lossy_mode == "none" else {"lossy": self.settings.lossy_mode}))
                 out.append(key.namespace())
         return out
 
@@ -145,7 +146,7 @@ class KVFSConnector(KVConnectorBase_V1):
                 + parallel_state.get_tp_group().rank_in_group)
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
                                  self.settings.io_threads, self.settings.max_pending_save_mb << 20,
-                                 self.settings.direct_reads)
+                                 self.settings.direct_reads, self.settings.lossy_mode)
         self.worker.warm_up()
         log.info("kvfs connector worker: %d layers, layout %s, rank %d", len(tensors), chosen.name, rank)
 

@@ -9,6 +9,7 @@ import uuid
 
 XA_DTYPE = "user.kvfs.dtype"
 XA_SHAPE = "user.kvfs.shape"
+XA_LOSSY = "user.kvfs.lossy"
 
 
 def exists(path: str) -> bool:

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kvfs import lossy
+
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -19,6 +21,7 @@ class Settings:
     io_threads: int = 4
     direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
+    lossy: str = "none"  # opt-in: kvfs lossy mode for the chunks (mantissa:K or fp8[:G]); its own namespace
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -34,9 +37,18 @@ class Settings:
             raise ValueError(f'kvfs connector: on_load_error must be "recompute" or "fail", not {s.on_load_error!r}')
         if s.chunk_size is not None and (not isinstance(s.chunk_size, int) or s.chunk_size <= 0):
             raise ValueError(f"kvfs connector: chunk_size must be a positive number of tokens, not {s.chunk_size!r}")
+        try:
+            lossy.parse(s.lossy)
+        except ValueError as e:
+            raise ValueError(f"kvfs connector: {e}") from None
         if s.io_threads < 1 or s.max_pending_save_mb < 0:
             raise ValueError("kvfs connector: io_threads must be >= 1 and max_pending_save_mb >= 0")
         return s
+
+    @property
+    def lossy_mode(self) -> str:
+        """The normalised lossy mode ('none' when lossless)."""
+        return lossy.parse(self.lossy).describe()
 
     def chunk_tokens(self, block_size: int) -> int:
         """Tokens per chunk: a multiple of vLLM's block size (the unit the paged cache moves in)."""

@@ -47,9 +47,11 @@ class _Load:
 class WorkerSide:
     def __init__(self, layout: ChunkLayout, kv_layers: list[torch.Tensor], layer_index: dict[str, int],
                  rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int,
-                 direct_reads: bool = True) -> None:
+                 direct_reads: bool = True, lossy: str = "none") -> None:
         self.layout = layout
         self.descriptor = layout.descriptor()
+        if lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
+            self.descriptor["lossy"] = lossy
         self.kv_layers = kv_layers
         self.layer_index = layer_index
         self.rank = rank
@@ -71,6 +73,8 @@ class WorkerSide:
         self.xattrs = {files.XA_SHAPE: layout.shape_hint(chunkfile.HEADER_SIZE).encode()}
         if layout.g.dtype in DTYPE_XATTR:
             self.xattrs[files.XA_DTYPE] = DTYPE_XATTR[layout.g.dtype]
+        if lossy != "none":
+            self.xattrs[files.XA_LOSSY] = lossy.encode()
 
     def warm_up(self) -> threading.Thread:
         """Fill the readers' buffer pool in a background thread (page faults cost as much as reading)."""

@@ -10,7 +10,8 @@ import numpy as np
 
 IDENTITY = 0
 BYTEPLANE2 = 1
-NAMES = {IDENTITY: "identity", BYTEPLANE2: "byteplane2"}
+FP8E4M3 = 2  # lossy (kvfs/lossy.py): the stored form holds scales and E4M3 codes; reads get dequantized values
+NAMES = {IDENTITY: "identity", BYTEPLANE2: "byteplane2", FP8E4M3: "fp8e4m3"}
 
 
 def _byteplane2_encode(raw: bytes | bytearray | memoryview) -> memoryview:
@@ -40,6 +41,7 @@ def _byteplane2_decode(planes: bytes | memoryview) -> bytes | memoryview:
 
 
 def apply(transform: int, raw: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    """Lossless transforms only: a lossy stored form needs its parameters (format.encode_frame(lossy=...))."""
     if transform == IDENTITY:
         return raw
     if transform == BYTEPLANE2:
@@ -47,10 +49,13 @@ def apply(transform: int, raw: bytes | bytearray | memoryview) -> bytes | bytear
     raise ValueError(f"unknown transform id {transform}")
 
 
-def invert(transform: int, data: bytes | memoryview) -> bytes | memoryview:
-    """The raw bytes (a memoryview where that saves a copy)."""
+def invert(transform: int, data: bytes | memoryview, raw_len: int | None = None) -> bytes | memoryview:
+    """The raw bytes (a memoryview where that saves a copy). ValueError if data is not a stored form."""
     if transform == IDENTITY:
         return data
     if transform == BYTEPLANE2:
         return _byteplane2_decode(data)
+    if transform == FP8E4M3:
+        from .. import lossy  # numpy-heavy and only needed for lossy files
+        return lossy.fp8_decode(data, len(data) if raw_len is None else raw_len)
     raise ValueError(f"unknown transform id {transform}")
