@@ -16,7 +16,8 @@ A prompt may also be {"extend": [round, index], "extra": [token ids]}: the promp
 then its generated tokens, then `extra` — the next turn of a conversation. Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
 previous one finished) through LLMEngine.step(), greedy, and records per request: the generated token ids,
 num_cached_tokens (vLLM's count of prompt tokens it did not compute: local prefix cache + connector hits),
-TTFT (from submission to the step that produced the first token) and end-to-end latency. Output: one JSON
+TTFT (from submission to the step that produced the first token) and end-to-end latency. A round with
+"prompt_logprobs": K also records, per computed prompt position, [logprob of the prompt token, top-1 token]. Output: one JSON
 object on stdout's last line: {"rounds": [[{...per request...}]], "engine_start_s": ...}.
 """
 
@@ -81,7 +82,10 @@ def run(job: dict) -> dict:
     results = []
     n = 0
     for rnd in job["rounds"]:
-        params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), ignore_eos=True)
+        extra = {}
+        if rnd.get("prompt_logprobs") is not None:  # connector hits stay on: only computed tokens get logprobs
+            extra = dict(prompt_logprobs=rnd["prompt_logprobs"], skip_reading_prefix_cache=False, detokenize=False)
+        params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), ignore_eos=True, **extra)
         prompts = [_resolve(p, job["rounds"], results) for p in rnd["prompts"]]
         out: list[dict] = [None] * len(prompts)  # type: ignore[list-item]
         conc = rnd.get("concurrency", 1)
@@ -105,10 +109,20 @@ def run(job: dict) -> dict:
                                   "num_cached_tokens": o.num_cached_tokens or 0,
                                   "prompt_tokens": len(prompts[i]), "ttft_s": first.get(o.request_id),
                                   "e2e_s": now - t_sub}
+                        if extra:
+                            out[i]["prompt_logprobs"] = _prompt_logprobs(o.prompt_logprobs, prompts[i])
         results.append(out)
     t1 = time.perf_counter()
     del engine
     return {"rounds": results, "engine_start_s": started, "shutdown_s": time.perf_counter() - t1}
+
+
+def _prompt_logprobs(entries, prompt: list[int]) -> list[list]:
+    """[logprob of the prompt token, top-1 token] for the last prompt positions vLLM computed (cached
+    tokens have none; the list vLLM returns starts with None for the first token, then computed positions)."""
+    computed = [e for e in (entries or [])[1:] if e is not None]
+    tokens = prompt[len(prompt) - len(computed):]
+    return [[e[t].logprob, min(e, key=lambda k: e[k].rank)] for t, e in zip(tokens, computed)]
 
 
 def _resolve(prompt, rounds: list, results: list) -> list[int]:

@@ -30,17 +30,19 @@ enum { KVEC_ERR_CAPACITY = -1, KVEC_ERR_FORMAT = -2, KVEC_ERR_STREAM = -3, KVEC_
 
 /* ---- per-thread scratch: frames are ~1 MiB, so keep the buffers instead of faulting in fresh ones ---- */
 
-static __thread uint8_t *scratch_buf;
-static __thread size_t scratch_cap;
+typedef struct { uint8_t *buf; size_t cap; } scratch_t;
+static __thread scratch_t planes_scratch, tables_scratch;
 
-static uint8_t *scratch(size_t n) {
-    if (n > scratch_cap) {
-        free(scratch_buf);
-        scratch_buf = malloc(n);
-        scratch_cap = scratch_buf ? n : 0;
+static uint8_t *grow(scratch_t *sc, size_t n) {
+    if (n > sc->cap) {
+        free(sc->buf);
+        sc->buf = malloc(n);
+        sc->cap = sc->buf ? n : 0;
     }
-    return scratch_buf;
+    return sc->buf;
 }
+
+static uint8_t *scratch(size_t n) { return grow(&planes_scratch, n); }
 
 static inline void put_u32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
 static inline uint32_t get_u32(const uint8_t *p) {
@@ -122,7 +124,7 @@ static inline size_t stream_start(size_t n, int n_streams, int s) { return n * (
 
 /* Context index of every element: clamp(round(mean of K previous e at stride d) - lo, 0, n_ctx - 1), where
  * history before a stream's first element is `fill`. Returns the rounded means in m (before clamping). */
-/* Also counts the means in mhist (which the caller zeroes). */
+/* Also counts (a sample of) the means in mhist, which the caller zeroes. */
 static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p, uint32_t *mhist) {
     const int K = 1 << p->window_log, d = p->stride;
     for (int s = 0; s < p->n_streams; s++) {
@@ -139,7 +141,7 @@ static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const pa
             for (; g + GROUP <= b; g += GROUP) {
                 uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log);
                 m[g] = m[g + 1] = m[g + 2] = m[g + 3] = mv;
-                mhist[mv] += GROUP;
+                mhist[mv] += ((g - a) & (8 * GROUP - 1)) == 0;  /* a sample: it only places the window */
                 S += (uint32_t)(e[g] + e[g + 1] + e[g + 2] + e[g + 3]) - (e[g - K] + e[g + 1 - K] + e[g + 2 - K] + e[g + 3 - K]);
             }
             for (uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log); g < b; g++) { m[g] = mv; mhist[mv]++; }
@@ -180,18 +182,23 @@ typedef uint16_t u16_unaligned __attribute__((aligned(1), may_alias));
 static inline void store_be64(uint8_t *p, uint64_t v) { v = __builtin_bswap64(v); memcpy(p, &v, 8); }
 
 
-/* m holds context means on entry and context indices (clamped) after. */
-static int64_t encode_streams(const uint8_t *restrict e, uint8_t *restrict m, const uint8_t *clamp,
+/* m holds the context means; clamp maps them to table indices. */
+static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict m, const uint8_t *clamp,
                               const params_t *p, uint8_t *dst, size_t cap, uint8_t *out) {
     /* count per (context, symbol), in four tables for the same reason as the e sample */
-    uint32_t (*cnt)[MAX_CTX][256] = calloc(4, sizeof *cnt);
-    uint32_t (*code)[256] = malloc(MAX_CTX * sizeof *code);  /* code << 4 | length */
-    if (!cnt || !code) { free(cnt); free(code); return KVEC_ERR_NOMEM; }
+    const size_t cnt_bytes = 4 * sizeof(uint32_t[MAX_CTX][256]);
+    uint8_t *tables = grow(&tables_scratch, cnt_bytes + sizeof(uint32_t[MAX_CTX][256]));
+    if (!tables) return KVEC_ERR_NOMEM;
+    uint32_t (*cnt)[MAX_CTX][256] = (uint32_t (*)[MAX_CTX][256])tables;
+    uint32_t (*code)[256] = (uint32_t (*)[256])(tables + cnt_bytes);  /* code << 4 | length */
+    for (int k = 0; k < 4; k++) memset(cnt[k], 0, (size_t)p->n_ctx * sizeof cnt[k][0]);
     size_t i = 0;
     for (; i + 4 <= p->n; i += 4) {
-        for (int k = 0; k < 4; k++) { m[i + k] = clamp[m[i + k]]; cnt[k][m[i + k]][e[i + k]]++; }
+        uint32_t (*row)[256] = &cnt[0][clamp[m[i]]];  /* stride 1: one context per group of 4 */
+        uint8_t c1 = clamp[m[i + 1]], c2 = clamp[m[i + 2]], c3 = clamp[m[i + 3]];
+        row[0][e[i]]++; cnt[1][c1][e[i + 1]]++; cnt[2][c2][e[i + 2]]++; cnt[3][c3][e[i + 3]]++;
     }
-    for (; i < p->n; i++) { m[i] = clamp[m[i]]; cnt[0][m[i]][e[i]]++; }
+    for (; i < p->n; i++) cnt[0][clamp[m[i]]][e[i]]++;
     uint64_t total_bits = 0;
     int64_t rc = 0;
     for (int c = 0; c < p->n_ctx; c++) {
@@ -223,7 +230,7 @@ static int64_t encode_streams(const uint8_t *restrict e, uint8_t *restrict m, co
         size_t j = a;
         for (; j + 4 <= b; j += 4) {  /* <= 7 + 4 * MAX_LEN bits in acc, then whole bytes out (8-byte store) */
             for (int k = 0; k < 4; k++) {
-                uint32_t cl = code[m[j + k]][e[j + k]];
+                uint32_t cl = code[clamp[m[j + k]]][e[j + k]];
                 acc = (acc << (cl & 15)) | (cl >> 4);
                 nb += cl & 15;
             }
@@ -232,7 +239,7 @@ static int64_t encode_streams(const uint8_t *restrict e, uint8_t *restrict m, co
             nb &= 7;
         }
         for (; j < b; j++) {
-            uint32_t cl = code[m[j]][e[j]];
+            uint32_t cl = code[clamp[m[j]]][e[j]];
             acc = (acc << (cl & 15)) | (cl >> 4);
             nb += cl & 15;
             if (nb >= 8) { store_be64(w, acc << (64 - nb)); w += nb >> 3; nb &= 7; }
@@ -244,8 +251,6 @@ static int64_t encode_streams(const uint8_t *restrict e, uint8_t *restrict m, co
     memset(out, 0, PAD);
     rc = (int64_t)(out + PAD - dst);
 done:
-    free(cnt);
-    free(code);
     return rc;
 }
 
