@@ -51,7 +51,8 @@ STRESSORS: dict[str, list[str]] = {
     "seek": ["--seek", WORKERS, "--seek-size", "16M", "--seek-punch"],
     "mmap": ["--mmap", WORKERS, "--mmap-file", "--mmap-bytes", "4M", "--mmap-mprotect"],
     "mmap-async": ["--mmap", WORKERS, "--mmap-file", "--mmap-bytes", "4M", "--mmap-async"],
-    "readahead": ["--readahead", WORKERS, "--readahead-bytes", "32M"],
+    # the timeout must cover writing the file first (an untimed setup phase): a function test, not a speed test
+    "readahead": ["--readahead", WORKERS, "--readahead-bytes", "32M", "--timeout", "10s"],
     # locks (handled by the kernel for FUSE: kvfs implements no lock ops) and xattrs
     "flock": ["--flock", WORKERS],
     # one xattr bogo op creates, replaces, reads, lists and removes 4096 attributes (~4 s here): count ops
@@ -114,6 +115,6 @@ def test_stress_ng_mixed(kvfs):
     args = ["--hdd", "1", "--hdd-bytes", "16M", "--hdd-opts", "wr-rnd,rd-rnd",
             "--dir", "1", "--dir-dirs", "1024", "--dentry", "1", "--dentries", "512", "--rename", "1",
             "--open", "1", "--seek", "1", "--seek-size", "8M", "--mmap", "1", "--mmap-file", "--mmap-bytes", "1M",
-            "--readahead", "1", "--readahead-bytes", "4M", "--timeout", "5s"]
+            "--readahead", "1", "--readahead-bytes", "4M", "--timeout", "8s"]
     run_stress_ng(kvfs, "mixed", args)
     check_mount_healthy(kvfs)

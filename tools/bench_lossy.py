@@ -44,7 +44,7 @@ ENGINE = {"max_model_len": 2048, "kv_cache_gib": 2, "dtype": DTYPE}
 ENV = {"PYTHONHASHSEED": "0"}
 SOURCES = ["/usr/share/common-licenses/GPL-3", "/usr/lib/python3.11/argparse.py", "/usr/include/stdio.h",
            "/usr/share/common-licenses/Apache-2.0", "/usr/lib/python3.11/textwrap.py", "/usr/include/unistd.h"]
-EQUIVALENT = {"float32": {"mantissa:19": "bf16 mantissa:3", "mantissa:20": "bf16 mantissa:4"}}
+EQUIVALENT = {"float32": {"mantissa:19": "bf16 mantissa:3", "mantissa:20": "bf16 mantissa:4", "mantissa:21": "bf16 mantissa:5"}}
 
 
 def texts(n: int) -> list[tuple[list[int], list[int], str]]:
@@ -119,9 +119,13 @@ def measure(work: Path, mode: str, prompts, reference: list[list[int]]) -> dict:
     agree = total = 0
     for r, g in zip(forced, reference):
         lp = r["prompt_logprobs"][-(len(g) - 1):]  # positions predicting g[1:] (g[0] follows a cached token)
+        if len(lp) != len(g) - 1:
+            raise SystemExit(f"{mode}: {len(lp)} prompt logprobs for {len(g) - 1} generated positions")
         agree += sum(top == tok for (_, top), tok in zip(lp, g[1:]))
         total += len(lp)
     nll = [-lp for r in held for lp, _ in r["prompt_logprobs"][-(HELD - 1):]]
+    if len(nll) != len(held) * (HELD - 1):
+        raise SystemExit(f"{mode}: {len(nll)} held-text logprobs, expected {len(held) * (HELD - 1)}")
     identical = [next((i for i, (a, b) in enumerate(zip(r["tokens"], g)) if a != b), len(g))
                  for r, g in zip(free, reference)]
     return {"mode": mode, "stored_raw": ratio, "bf16_stored_raw": bf16_ratio(EQUIVALENT.get(DTYPE, {}).get(
@@ -132,8 +136,8 @@ def measure(work: Path, mode: str, prompts, reference: list[list[int]]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", nargs="+", default=["none", "mantissa:19", "mantissa:20", "fp8"]
-                    if DTYPE == "float32" else ["none", "mantissa:3", "mantissa:4", "fp8"])
+    ap.add_argument("--modes", nargs="+", default=["none", "mantissa:19", "mantissa:20", "mantissa:21", "fp8"]
+                    if DTYPE == "float32" else ["none", "mantissa:3", "mantissa:4", "mantissa:5", "fp8"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--json", type=Path, default=REPO / "bench-results/bench_lossy.json")
     args = ap.parse_args(argv)

@@ -118,11 +118,21 @@ def run(job: dict) -> dict:
 
 
 def _prompt_logprobs(entries, prompt: list[int]) -> list[list]:
-    """[logprob of the prompt token, top-1 token] for the last prompt positions vLLM computed (cached
-    tokens have none; the list vLLM returns starts with None for the first token, then computed positions)."""
-    computed = [e for e in (entries or [])[1:] if e is not None]
-    tokens = prompt[len(prompt) - len(computed):]
-    return [[e[t].logprob, min(e, key=lambda k: e[k].rank)] for t, e in zip(tokens, computed)]
+    """[logprob of the prompt token, top-1 token] for the last prompt positions vLLM computed. Positions whose
+    KV came from a connector have no logits: vLLM returns fewer entries, or rows that do not hold the prompt
+    token; each entry is checked to hold its prompt token, and the run of checked entries at the end is kept."""
+    entries = list(entries or [])
+    best: list[list] = []
+    for offset in {len(prompt) - len(entries), 0}:  # entries aligned to the prompt's end, or to its start
+        out: list[list] = []
+        for pos in range(len(prompt) - 1, max(offset, 0) - 1, -1):
+            e = entries[pos - offset] if 0 <= pos - offset < len(entries) else None
+            if not e or prompt[pos] not in e:
+                break
+            out.append([e[prompt[pos]].logprob, min(e, key=lambda k: e[k].rank)])
+        if len(out) > len(best):
+            best = out
+    return best[::-1]
 
 
 def _resolve(prompt, rounds: list, results: list) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import pathlib
+import threading
 
 import numpy as np
 
@@ -48,19 +49,35 @@ def _address(buf) -> tuple[int, int, object]:
     return arr.ctypes.data if arr.size else 0, arr.size, arr
 
 
+_local = threading.local()  # per-thread output buffer of the encoder: fresh MiB buffers cost page faults
+
+
+def _encode_buffer(cap: int) -> np.ndarray:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < cap:
+        buf = _local.buf = np.empty(max(cap, 1 << 21), dtype=np.uint8)
+    return buf
+
+
 def encode(data, stride: int = 1) -> bytes | None:
     """The payload, or None when it would not be smaller than the input (the caller stores raw)."""
     src, n, keep = _address(data)
     cap = n + OVERHEAD
-    out = bytearray(cap)
-    dst, _, keep_out = _address(out)
-    size = _lib.kvec_encode(src, n, stride, WINDOW_LOG, dst, cap)
-    del keep, keep_out
+    out = _encode_buffer(cap)
+    size = _lib.kvec_encode(src, n, stride, WINDOW_LOG, out.ctypes.data, cap)
+    del keep
     if size == -1:
         return None
     if size < 0:
         raise CodecError(f"entropy encode: {ERRORS.get(size, size)}")
-    return bytes(memoryview(out)[:size]) if size < n else None
+    return out[:size].tobytes() if size < n else None
+
+
+def decode(payload, raw_len: int) -> memoryview:
+    """The decoded frame in a new buffer (not zero-filled first: the kernel writes every byte)."""
+    out = np.empty(raw_len, dtype=np.uint8)
+    decode_into(payload, out)
+    return memoryview(out)
 
 
 def decode_into(payload, out) -> None:
@@ -96,10 +113,8 @@ class EntropyCodec:
         payload = encode(data, self.stride)
         return bytes(data) if payload is None else payload
 
-    def decompress(self, data, raw_len: int) -> bytearray:
-        out = bytearray(raw_len)
-        decode_into(data, out)
-        return out
+    def decompress(self, data, raw_len: int) -> memoryview:
+        return decode(data, raw_len)
 
 
 def stride_from_shape(dims: list[tuple[str, int]]) -> int:
