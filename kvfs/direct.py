@@ -132,6 +132,8 @@ def _decode_range(fd: int, header: fmt.Header, frames: list[fmt.FrameEntry], sta
             dest[:] = bytes(len(dest))
         elif entry.codec == 0 and entry.transform == 0 and lo == i * F and hi - lo == entry.raw_len:
             _read_stored_frame(fd, entry, dest)  # stored raw: read in place, one checksum
+        elif lo == i * F and hi - lo == entry.raw_len:  # a whole frame: decoded straight into the buffer
+            fmt.decode_frame_into(entry, _pread_exact(fd, entry.offset, entry.stored_len), dest)
         else:
             payload = _pread_exact(fd, entry.offset, entry.stored_len)
             dest[:] = memoryview(fmt.decode_frame(entry, payload)).cast("B")[lo - i * F:hi - i * F]

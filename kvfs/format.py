@@ -195,6 +195,24 @@ def decode_frame(entry: FrameEntry, payload: bytes | memoryview) -> bytes:
     return data
 
 
+def decode_frame_into(entry: FrameEntry, payload: bytes | memoryview, dest: memoryview) -> None:
+    """decode_frame into dest (exactly raw_len bytes), with no intermediate buffer where the codec can decode
+    in place (entropy). On CorruptObject, dest holds garbage: the caller must not use it."""
+    codec = None if entry.is_hole else codecs.REGISTRY.get(entry.codec)
+    into = getattr(codec, "decompress_into", None)
+    if into is None or entry.transform != transforms.IDENTITY or len(dest) != entry.raw_len:
+        dest[:] = memoryview(decode_frame(entry, payload)).cast("B")
+        return
+    if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
+        raise CorruptObject("frame payload checksum mismatch")
+    try:
+        into(payload, dest)
+    except (codecs.CodecError, ValueError) as e:
+        raise CorruptObject(f"frame does not decode: {e}") from e
+    if xxh3(dest) != entry.raw_xxh3:
+        raise CorruptObject("frame raw checksum mismatch")
+
+
 def pack_header(h: Header) -> bytes:
     fixed = HEADER_FIXED.pack(MAGIC, VERSION, h.size, h.flags, h.raw_size, h.frame_size, h.n_frames,
                               h.transform, h.element_size, h.codec, h.dtype, h.lossy_mode, h.lossy_param,

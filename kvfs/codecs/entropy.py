@@ -116,6 +116,9 @@ class EntropyCodec:
     def decompress(self, data, raw_len: int) -> memoryview:
         return decode(data, raw_len)
 
+    def decompress_into(self, data, out) -> None:
+        decode_into(data, out)
+
 
 def stride_from_shape(dims: list[tuple[str, int]]) -> int:
     """Elements between neighbouring tokens of one channel: the product of the dimensions inside `token`."""
