@@ -25,6 +25,9 @@
 #define GROUP 4           /* stride 1: elements that share one context (and one table lookup base) */
 #define PAD 16            /* zero bytes after the last stream: 8-byte loads never leave the payload */
 
+typedef uint16_t u16_unaligned __attribute__((aligned(1), may_alias));
+typedef uint32_t u32_unaligned __attribute__((aligned(1), may_alias));
+
 enum { KVEC_ERR_CAPACITY = -1, KVEC_ERR_FORMAT = -2, KVEC_ERR_STREAM = -3, KVEC_ERR_ARGS = -4,
        KVEC_ERR_NOMEM = -5 };
 
@@ -124,27 +127,44 @@ static inline size_t stream_start(size_t n, int n_streams, int s) { return n * (
 
 /* Context index of every element: clamp(round(mean of K previous e at stride d) - lo, 0, n_ctx - 1), where
  * history before a stream's first element is `fill`. Returns the rounded means in m (before clamping). */
+/* Stride 1: the mean of the K values before each group of GROUP, from group sums (vectorisable passes).
+ * History before the stream's first element is `fill`. G has room for n / GROUP + K / GROUP + 1 sums. */
+static void group_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n, const params_t *p,
+                        uint32_t *restrict G, uint32_t *mhist) {
+    const size_t KG = (size_t)1 << (p->window_log - 2), full = n / GROUP, groups = (n + GROUP - 1) / GROUP;
+    for (size_t k = 0; k < KG; k++) G[k] = (uint32_t)(GROUP * p->fill);
+    const u32_unaligned *x = (const u32_unaligned *)e;
+    for (size_t j = 0; j < full; j++) {
+        uint32_t v = x[j];
+        G[KG + j] = (v & 0xFF) + ((v >> 8) & 0xFF) + ((v >> 16) & 0xFF) + (v >> 24);
+    }
+    u32_unaligned *out = (u32_unaligned *)m;
+    const int half = 1 << (p->window_log - 1), shift = p->window_log;
+    if (KG == 4) {
+        for (size_t j = 0; j < full; j++)
+            out[j] = ((G[j] + G[j + 1] + G[j + 2] + G[j + 3] + half) >> shift) * 0x01010101u;
+    } else {
+        for (size_t j = 0; j < full; j++) {
+            uint32_t S = 0;
+            for (size_t t = 0; t < KG; t++) S += G[j + t];
+            out[j] = ((S + half) >> shift) * 0x01010101u;
+        }
+    }
+    if (groups > full) {  /* a last, partial group */
+        uint32_t S = 0;
+        for (size_t t = 0; t < KG; t++) S += G[full + t];
+        memset(m + full * GROUP, (int)((S + half) >> shift), n - full * GROUP);
+    }
+    for (size_t j = 0; j < groups; j += 8) mhist[m[j * GROUP]]++;  /* a sample: it only places the window */
+}
+
 /* Also counts (a sample of) the means in mhist, which the caller zeroes. */
 static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p, uint32_t *mhist) {
     const int K = 1 << p->window_log, d = p->stride;
     for (int s = 0; s < p->n_streams; s++) {
         size_t a = stream_start(p->n, p->n_streams, s), b = stream_start(p->n, p->n_streams, s + 1);
         if (d == 1) {  /* one context per GROUP elements: the decoder looks up one table per group */
-            uint32_t S = (uint32_t)K * p->fill;
-            size_t g = a;
-            for (; g < b && g < a + (size_t)K; g += GROUP) {  /* the window still holds fill values */
-                uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log);
-                size_t end = g + GROUP < b ? g + GROUP : b;
-                for (size_t i = g; i < end; i++) { m[i] = mv; S += e[i] - (i >= a + (size_t)K ? e[i - K] : p->fill); }
-                mhist[mv] += (uint32_t)(end - g);
-            }
-            for (; g + GROUP <= b; g += GROUP) {
-                uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log);
-                m[g] = m[g + 1] = m[g + 2] = m[g + 3] = mv;
-                mhist[mv] += ((g - a) & (8 * GROUP - 1)) == 0;  /* a sample: it only places the window */
-                S += (uint32_t)(e[g] + e[g + 1] + e[g + 2] + e[g + 3]) - (e[g - K] + e[g + 1 - K] + e[g + 2 - K] + e[g + 3 - K]);
-            }
-            for (uint8_t mv = (uint8_t)((S + (K >> 1)) >> p->window_log); g < b; g++) { m[g] = mv; mhist[mv]++; }
+            group_means(e + a, m + a, b - a, p, (uint32_t *)sums, mhist);
             continue;
         }
         for (size_t i = a; i < b; i++) {
@@ -177,7 +197,6 @@ static int choose_window(const uint32_t *hist, int *lo) {
     return n_ctx;
 }
 
-typedef uint16_t u16_unaligned __attribute__((aligned(1), may_alias));
 
 static inline void store_be64(uint8_t *p, uint64_t v) { v = __builtin_bswap64(v); memcpy(p, &v, 8); }
 
@@ -193,12 +212,22 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
     uint32_t (*code)[256] = (uint32_t (*)[256])(tables + cnt_bytes);  /* code << 4 | length */
     for (int k = 0; k < 4; k++) memset(cnt[k], 0, (size_t)p->n_ctx * sizeof cnt[k][0]);
     size_t i = 0;
-    for (; i + 4 <= p->n; i += 4) {
-        uint32_t (*row)[256] = &cnt[0][clamp[m[i]]];  /* stride 1: one context per group of 4 */
-        uint8_t c1 = clamp[m[i + 1]], c2 = clamp[m[i + 2]], c3 = clamp[m[i + 3]];
-        row[0][e[i]]++; cnt[1][c1][e[i + 1]]++; cnt[2][c2][e[i + 2]]++; cnt[3][c3][e[i + 3]]++;
+    if (p->stride == 1) {  /* one context per group of 4, groups counted from each stream's start */
+        for (int s = 0; s < p->n_streams; s++) {
+            size_t j = stream_start(p->n, p->n_streams, s), b = stream_start(p->n, p->n_streams, s + 1);
+            for (; j + 4 <= b; j += 4) {
+                const size_t c = clamp[m[j]];
+                cnt[0][c][e[j]]++; cnt[1][c][e[j + 1]]++; cnt[2][c][e[j + 2]]++; cnt[3][c][e[j + 3]]++;
+            }
+            for (; j < b; j++) cnt[0][clamp[m[j]]][e[j]]++;
+        }
+    } else {
+        for (; i + 4 <= p->n; i += 4) {
+            uint8_t c0 = clamp[m[i]], c1 = clamp[m[i + 1]], c2 = clamp[m[i + 2]], c3 = clamp[m[i + 3]];
+            cnt[0][c0][e[i]]++; cnt[1][c1][e[i + 1]]++; cnt[2][c2][e[i + 2]]++; cnt[3][c3][e[i + 3]]++;
+        }
+        for (; i < p->n; i++) cnt[0][clamp[m[i]]][e[i]]++;
     }
-    for (; i < p->n; i++) cnt[0][clamp[m[i]]][e[i]]++;
     uint64_t total_bits = 0;
     int64_t rc = 0;
     for (int c = 0; c < p->n_ctx; c++) {
@@ -229,8 +258,9 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
         uint32_t nb = 0;
         size_t j = a;
         for (; j + 4 <= b; j += 4) {  /* <= 7 + 4 * MAX_LEN bits in acc, then whole bytes out (8-byte store) */
+            const uint32_t *group_code = code[clamp[m[j]]];  /* stride 1: one context per group of 4 */
             for (int k = 0; k < 4; k++) {
-                uint32_t cl = code[clamp[m[j + k]]][e[j + k]];
+                uint32_t cl = p->stride == 1 ? group_code[e[j + k]] : code[clamp[m[j + k]]][e[j + k]];
                 acc = (acc << (cl & 15)) | (cl >> 4);
                 nb += cl & 15;
             }
@@ -268,10 +298,10 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
     const size_t head = FIXED + 4 * (size_t)p.n_streams;
     if (cap < head + p.n + tail + PAD) return KVEC_ERR_CAPACITY;
 
-    uint8_t *work = scratch(p.n * 4 + 16);
+    uint8_t *work = scratch(p.n * 4 + 64);  /* e, m, then sums (stride > 1) or group sums (stride 1) */
     if (!work) return KVEC_ERR_NOMEM;
     uint8_t *restrict e = work, *restrict m = work + p.n;
-    uint16_t *sums = (uint16_t *)(work + 2 * p.n + (p.n & 1));
+    uint16_t *sums = (uint16_t *)(work + ((2 * p.n + 3) & ~(size_t)3));
     uint8_t *restrict r = dst + head;
     const u16_unaligned *x = (const u16_unaligned *)src;
     for (size_t i = 0; i < p.n; i++) {  /* little-endian hosts (x86, arm64) */
