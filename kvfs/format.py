@@ -154,6 +154,11 @@ class EncodedFrame:
     def is_hole(self) -> bool:
         return bool(self.flags & FRAME_HOLE)
 
+    def entry_at(self, offset: int) -> FrameEntry:
+        """This frame's table entry with its payload at `offset` of the object."""
+        return FrameEntry(offset, len(self.payload), self.raw_len, self.codec, self.transform, self.flags,
+                          self.stored_xxh3, self.raw_xxh3)
+
 
 def encode_frame(raw, codec: codecs.Codec, transform: int, fp8: "Fp8Params | None" = None) -> EncodedFrame:
     """Compress one frame; all-zero frames become holes, incompressible ones are stored raw (and then
@@ -183,16 +188,25 @@ def decode_frame(entry: FrameEntry, payload: bytes | memoryview) -> bytes:
     """Verify, decompress, invert the transform, verify again. Raises CorruptObject."""
     if entry.is_hole:
         return bytes(entry.raw_len)
-    if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
-        raise CorruptObject("frame payload checksum mismatch")
+    _check_payload(entry, payload)
     try:
         data = transforms.invert(entry.transform, codecs.by_id(entry.codec).decompress(payload, entry.raw_len),
                                  entry.raw_len)
     except (codecs.CodecError, ValueError) as e:  # unreachable unless xxh3 collides; still never data
         raise CorruptObject(f"frame does not decode: {e}") from e
+    _check_raw(entry, data)
+    return data
+
+
+def _check_payload(entry: FrameEntry, payload) -> None:
+    """Before any decoder sees the bytes."""
+    if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
+        raise CorruptObject("frame payload checksum mismatch")
+
+
+def _check_raw(entry: FrameEntry, data) -> None:
     if len(data) != entry.raw_len or xxh3(data) != entry.raw_xxh3:
         raise CorruptObject("frame raw checksum mismatch")
-    return data
 
 
 def decode_frame_into(entry: FrameEntry, payload: bytes | memoryview, dest: memoryview) -> None:
@@ -203,14 +217,12 @@ def decode_frame_into(entry: FrameEntry, payload: bytes | memoryview, dest: memo
     if into is None or entry.transform != transforms.IDENTITY or len(dest) != entry.raw_len:
         dest[:] = memoryview(decode_frame(entry, payload)).cast("B")
         return
-    if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
-        raise CorruptObject("frame payload checksum mismatch")
+    _check_payload(entry, payload)
     try:
         into(payload, dest)
     except (codecs.CodecError, ValueError) as e:
         raise CorruptObject(f"frame does not decode: {e}") from e
-    if xxh3(dest) != entry.raw_xxh3:
-        raise CorruptObject("frame raw checksum mismatch")
+    _check_raw(entry, dest)
 
 
 def pack_header(h: Header) -> bytes:
@@ -228,8 +240,7 @@ def build_object(header: Header, frames: Sequence[EncodedFrame]) -> tuple[list[b
     entries = []
     offset = header.data_offset
     for f in frames:
-        entries.append(FrameEntry(offset, len(f.payload), f.raw_len, f.codec, f.transform, f.flags,
-                                  f.stored_xxh3, f.raw_xxh3))
+        entries.append(f.entry_at(offset))
         offset += len(f.payload)
     table = b"".join(FRAME_ENTRY.pack(*dataclasses.astuple(e)) for e in entries)
     head = pack_header(header) + table + CHECKSUM.pack(xxh3(table))

@@ -105,7 +105,7 @@ def test_fp8_frame_checksum_covers_what_reads_return():
     raw = kv_samples("bf16")[0].read_bytes()[:1 << 20]
     f = fmt.encode_frame(raw, REGISTRY[1], transforms.IDENTITY, fp8=fmt.Fp8Params("bf16", 64))
     assert f.transform == transforms.FP8E4M3 and len(f.payload) < 0.45 * len(raw)
-    entry = fmt.FrameEntry(0, len(f.payload), f.raw_len, f.codec, f.transform, f.flags, f.stored_xxh3, f.raw_xxh3)
+    entry = f.entry_at(0)
     back = bytes(fmt.decode_frame(entry, f.payload))
     assert back != raw and fmt.xxh3(back) == f.raw_xxh3
     assert back == bytes(fmt.decode_frame(entry, f.payload))

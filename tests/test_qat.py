@@ -101,8 +101,7 @@ def test_bad_deflate_is_rejected_by_checksum_before_decoding(monkeypatch):
             return real.decompress(data, raw_len)
 
     monkeypatch.setitem(codecs.REGISTRY, real.id, Counting())
-    entry = fmt.FrameEntry(0, len(frame.payload), frame.raw_len, frame.codec, frame.transform, frame.flags,
-                           frame.stored_xxh3, frame.raw_xxh3)
+    entry = frame.entry_at(0)
     damaged = bytearray(frame.payload)
     damaged[len(damaged) // 2] ^= 0x10
     with pytest.raises(fmt.CorruptObject, match="checksum"):
