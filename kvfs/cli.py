@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .config import ConfigError, build_config
+from .config import CODECS, DTYPES, ConfigError, build_config
 
 MOUNT_WAIT_S = 30.0
 
@@ -30,10 +30,10 @@ def main() -> None:
               help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G)")
 @click.option("--promote", metavar="POLICY",
               help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
-@click.option("--codec", type=click.Choice(["auto", "entropy", "zstd", "deflate", "qat", "none"]),
+@click.option("--codec", type=click.Choice(CODECS),
               help="codec for new frames (default auto: per file, the smallest on a sample; entropy = the "
                    "2-byte-float coder); qat = deflate on Intel QAT via QATzip, deflate = the same format through ISA-L")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32", "none"]),
+@click.option("--dtype", type=click.Choice(DTYPES),
               help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
 @click.option("--lossy", "lossy_mode", metavar="MODE",
               help="opt-in lossy mode for all files of known dtype: none (default), mantissa:K (drop K mantissa "

@@ -82,11 +82,16 @@ def check_applicable(lossy: Lossy, dtype: str) -> None:
         raise ValueError(f"{dtype} has {MANTISSA_BITS[dtype]} mantissa bits: drop at most {MANTISSA_BITS[dtype] - 1}")
 
 
+def _first_element(length: int, skip: int, itemsize: int) -> int:
+    """Byte offset of the first whole element at or after `skip`."""
+    return min(length, -(-skip // itemsize) * itemsize)
+
+
 def round_mantissa(raw, dtype: str, bits: int, skip: int = 0) -> bytearray:
     """raw with every element from byte `skip` on rounded to `bits` fewer mantissa bits (nearest, ties to even)."""
     out = bytearray(raw)
     it = UINT[dtype]
-    start = min(len(out), -(-skip // it.itemsize) * it.itemsize)
+    start = _first_element(len(out), skip, it.itemsize)
     n = (len(out) - start) // it.itemsize
     u = np.frombuffer(out, dtype=it, count=n, offset=start)
     exp_mask = {"bf16": 0x7F80, "fp16": 0x7C00, "fp32": 0x7F800000}[dtype]
@@ -101,7 +106,7 @@ def round_mantissa(raw, dtype: str, bits: int, skip: int = 0) -> bytearray:
 def fp8_encode(raw, dtype: str, group: int, skip: int = 0) -> bytes:
     """The stored form of one frame: header, float32 scales, E4M3 codes, then any trailing bytes."""
     ft = FLOAT[dtype]
-    start = min(len(raw), -(-skip // ft.itemsize) * ft.itemsize)
+    start = _first_element(len(raw), skip, ft.itemsize)
     n = (len(raw) - start) // ft.itemsize
     x = np.frombuffer(raw, dtype=ft, count=n, offset=start).astype(np.float32)
     groups = -(-n // group)

@@ -145,7 +145,7 @@ class EncodingPolicy:
     def encode(self, raw, offset: int = 0) -> fmt.EncodedFrame:
         """Encode the frame at byte `offset` of the file. Runs in a worker thread."""
         mode = self.effective_lossy
-        skip = max(0, self._payload_offset() - offset)  # bytes before the shape hint's offset stay exact
+        skip = max(0, self._hint()[0] - offset)  # bytes before the shape hint's offset stay exact
         if mode.mode == lossy_modes.MANTISSA:
             raw = lossy_modes.round_mantissa(raw, self.dtype, mode.param, skip)
         elif mode.mode == lossy_modes.FP8:
@@ -166,21 +166,18 @@ class EncodingPolicy:
             return 1 << (dims[-1][1].bit_length() - 1)  # a power of two (the header keeps its log2)
         return lossy_modes.DEFAULT_GROUP
 
-    def _dims(self) -> list[tuple[str, int]]:
+    def _hint(self) -> tuple[int, list[tuple[str, int]]]:
+        """The shape hint as (payload offset, dimensions); (0, []) without one. Parsed on each use: the
+        hint may be set or removed while the file is open."""
         if not self.shape:
-            return []
+            return 0, []
         try:
-            return fmt.parse_shape_hint(self.shape)[1]
+            return fmt.parse_shape_hint(self.shape)
         except ValueError:
-            return []
+            return 0, []
 
-    def _payload_offset(self) -> int:
-        if not self.shape:
-            return 0
-        try:
-            return fmt.parse_shape_hint(self.shape)[0]
-        except ValueError:
-            return 0
+    def _dims(self) -> list[tuple[str, int]]:
+        return self._hint()[1]
 
     def _choose(self, raw) -> tuple[codecs.Codec, int]:
         sample = _sample(raw)
@@ -531,11 +528,12 @@ class OpenFile:
                                      transform=None, mtime_ns=mtime)
             new_ref, new_layout = None, None
         else:
+            lossy_mode, lossy_param = self.policy.lossy_header
             header = fmt.Header(raw_size=size, frame_size=self.frame_size, n_frames=n,
                                 transform=self.policy.transform or transforms.IDENTITY,
                                 element_size=self.policy.element_size, codec=self.policy.codec_id,
                                 dtype=fmt.DTYPES.get(self.policy.dtype, 0),
-                                lossy_mode=self.policy.lossy_header[0], lossy_param=self.policy.lossy_header[1],
+                                lossy_mode=lossy_mode, lossy_param=lossy_param,
                                 extensions=fmt.tlv(fmt.EXT_SHAPE, self.policy.shape) if self.policy.shape else b"")
             parts, entries = await self.store.cpu(fmt.build_object, header, frames)
             gen = self.next_gen
