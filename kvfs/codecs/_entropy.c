@@ -125,8 +125,6 @@ typedef struct { int n_streams, window_log, stride, n_ctx, ctx_lo, fill; size_t 
 
 static inline size_t stream_start(size_t n, int n_streams, int s) { return n * (size_t)s / (size_t)n_streams; }
 
-/* Context index of every element: clamp(round(mean of K previous e at stride d) - lo, 0, n_ctx - 1), where
- * history before a stream's first element is `fill`. Returns the rounded means in m (before clamping). */
 /* Stride 1: the mean of the K values before each group of GROUP, from group sums (vectorisable passes).
  * History before the stream's first element is `fill`. G has room for n / GROUP + K / GROUP + 1 sums. */
 static void group_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n, const params_t *p,
@@ -158,7 +156,9 @@ static void group_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n
     for (size_t j = 0; j < groups; j += 8) mhist[m[j * GROUP]]++;  /* a sample: it only places the window */
 }
 
-/* Also counts (a sample of) the means in mhist, which the caller zeroes. */
+/* Context of every element: round(mean of the K previous e at stride d), history before a stream's first
+ * element being `fill`; the encoder clamps it to a table index. Also counts (a sample of) the means in
+ * mhist, which the caller zeroes. */
 static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p, uint32_t *mhist) {
     const int K = 1 << p->window_log, d = p->stride;
     for (int s = 0; s < p->n_streams; s++) {
@@ -447,35 +447,36 @@ static int fast4(stream_t *st, size_t rounds, const uint16_t *restrict tab, cons
     return 0;
 }
 
+/* Symbols every one of the 4 streams still has (their lengths differ by at most one). */
+static size_t common_rounds(const stream_t *st) {
+    size_t rounds = st[0].left;
+    for (int s = 1; s < 4; s++) if (st[s].left < rounds) rounds = st[s].left;
+    return rounds;
+}
+
 static int run_streams(stream_t *st, int n_streams, const uint16_t *restrict tab,
                        const uint32_t *restrict ctxmap, int L, int K, int d) {
-    size_t rounds = 0;
+    size_t rounds = 0;  /* symbols of each stream the 4-stream loops decode; run_one does the rest */
     if (n_streams == 4 && d == 1 && K == 16 && L == MAX_LEN) {
-        rounds = st[0].left;
-        for (int s = 1; s < 4; s++) if (st[s].left < rounds) rounds = st[s].left;
+        rounds = common_rounds(st);
         rounds -= rounds % GROUP;
         int rc = fast4(st, rounds, tab, ctxmap);
         if (rc) return rc;
-    } else if (n_streams == 4) {
+    } else if (n_streams == 4 && d > 1) {
         const int shift = 64 - L;
-        rounds = st[0].left;
-        for (int s = 1; s < 4; s++) if (st[s].left < rounds) rounds = st[s].left;
+        rounds = common_rounds(st);
         uint64_t p0 = 0, p1 = 0, p2 = 0, p3 = 0;
         const uint64_t n0 = st[0].end, n1 = st[1].end, n2 = st[2].end, n3 = st[3].end;
         const uint8_t *b0 = st[0].base, *b1 = st[1].base, *b2 = st[2].base, *b3 = st[3].base;
         uint8_t *e0 = st[0].e, *e1 = st[1].e, *e2 = st[2].e, *e3 = st[3].e;
-        if (d == 1) {
-            rounds = 0;  /* other window sizes: the per-element loop below */
-        } else {
-            uint16_t *s0 = st[0].sums, *s1 = st[1].sums, *s2 = st[2].sums, *s3 = st[3].sums;
-            for (size_t j = 0; j < rounds; j++) {
-                STEPD(p0, b0, e0, s0); STEPD(p1, b1, e1, s1); STEPD(p2, b2, e2, s2); STEPD(p3, b3, e3, s3);
-                if ((p0 > n0) | (p1 > n1) | (p2 > n2) | (p3 > n3)) return KVEC_ERR_STREAM;
-            }
-            st[0].sums = s0; st[1].sums = s1; st[2].sums = s2; st[3].sums = s3;
-            st[0].pos = p0; st[1].pos = p1; st[2].pos = p2; st[3].pos = p3;
-            st[0].e = e0; st[1].e = e1; st[2].e = e2; st[3].e = e3;
+        uint16_t *s0 = st[0].sums, *s1 = st[1].sums, *s2 = st[2].sums, *s3 = st[3].sums;
+        for (size_t j = 0; j < rounds; j++) {
+            STEPD(p0, b0, e0, s0); STEPD(p1, b1, e1, s1); STEPD(p2, b2, e2, s2); STEPD(p3, b3, e3, s3);
+            if ((p0 > n0) | (p1 > n1) | (p2 > n2) | (p3 > n3)) return KVEC_ERR_STREAM;
         }
+        st[0].sums = s0; st[1].sums = s1; st[2].sums = s2; st[3].sums = s3;
+        st[0].pos = p0; st[1].pos = p1; st[2].pos = p2; st[3].pos = p3;
+        st[0].e = e0; st[1].e = e1; st[2].e = e2; st[3].e = e3;
     }
     for (int s = 0; s < n_streams; s++) {
         int rc = run_one(&st[s], rounds, tab, ctxmap, L, K, d);
