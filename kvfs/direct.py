@@ -31,6 +31,7 @@ XA_OBJECT = "user.kvfs.object"
 VALUE_MAX = 4096
 PROBE = 64 << 10  # header + table of up to ~1800 frames in one read
 READ_CHUNK = 8 << 20
+LOCATE_TRIES = 3  # objects that keep moving under a reader are read through the mount
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
@@ -60,6 +61,10 @@ class Unavailable(Exception):
     """The direct path cannot serve this file now; read it through the mount."""
 
 
+class Moved(Unavailable):
+    """The object named is gone: a move or a new commit replaced it after the location was asked."""
+
+
 def locate(path: str | os.PathLike) -> Location | None:
     """The object of a file in a kvfs mount, or None when the daemon offers none (not kvfs, not committed,
     not in a local tier). One getxattr call with a buffer large enough for any answer: the daemon counts
@@ -86,7 +91,8 @@ def read_object(loc: Location, offset: int = 0, length: int | None = None,
     try:
         fd = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
-        raise Unavailable(f"{loc.path}: {e.strerror}") from e
+        gone = Moved if e.errno == errno.ENOENT else Unavailable
+        raise gone(f"{loc.path}: {e.strerror}") from e
     try:
         size = os.fstat(fd).st_size
         if size != loc.stored_bytes:
@@ -192,9 +198,16 @@ def read_file(path: str | os.PathLike, expected_size: int | None = None,
     Any other file (another filesystem, a file being written) is read the ordinary way. Raises OSError as
     a read would (ENOENT, EIO for a corrupt file, EBADMSG when the size is not `expected_size`)."""
     loc = locate(path)
-    if loc is not None and (expected_size is None or loc.size == expected_size):
+    for _ in range(LOCATE_TRIES):
+        if loc is None or (expected_size is not None and loc.size != expected_size):
+            break
         try:
             return read_object(loc, into=into), True
+        except Moved:
+            moved = locate(path)  # a move (promotion, demotion) unlinked it meanwhile: ask where it is now
+            if moved == loc:
+                break
+            loc = moved
         except (Unavailable, fmt.CorruptObject):
-            pass  # the mount decides: the daemon reads the object again and answers data or EIO
+            break  # the mount decides: the daemon reads the object again and answers data or EIO
     return read_through_mount(path, expected_size, into), False

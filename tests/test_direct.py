@@ -97,8 +97,9 @@ def test_unsaved_or_foreign_files_are_read_through_the_mount(make_mount, tmp_pat
 
 def test_object_moved_after_locate_still_reads_right(make_mount):
     """A move (here: fsync, which puts the object on L3) after locate: the old path is gone, and read_file
-    asks again or reads through the mount; an object already opened keeps its complete bytes."""
-    m = make_mount().start()
+    asks again or reads through the mount; an object already opened keeps its complete bytes. Promotion
+    is off: a read of the L3 file would otherwise move it back to L2 at a moment the test cannot know."""
+    m = make_mount().start("--promote", "never")
     data = kv_samples("bf16")[1].read_bytes()
     _write(m.path("m.kv"), data)
     old = direct.locate(m.path("m.kv"))
@@ -117,6 +118,27 @@ def test_object_moved_after_locate_still_reads_right(make_mount):
         direct.read_object(old)
     assert direct.read_file(m.path("m.kv")) == (bytearray(data), True)
     assert m.stats()["tiers"]["L3"]["hits"] >= 1
+
+
+def test_read_file_asks_again_when_the_object_moved(make_mount, monkeypatch):
+    """read_file holding a stale location (the object moved between getxattr and open) asks the mount
+    once more and still reads past FUSE."""
+    m = make_mount().start("--promote", "never")
+    data = kv_samples("bf16")[0].read_bytes()
+    _write(m.path("s.kv"), data)
+    stale = direct.locate(m.path("s.kv"))
+    fd = os.open(m.path("s.kv"), os.O_RDONLY)
+    os.fsync(fd)  # moves the object to L3
+    os.close(fd)
+    for _ in range(50):
+        if not os.path.exists(stale.path):
+            break
+        time.sleep(0.1)
+    answers = [stale]
+    real_locate = direct.locate
+    monkeypatch.setattr(direct, "locate", lambda p: answers.pop() if answers else real_locate(p))
+    assert direct.read_file(m.path("s.kv")) == (bytearray(data), True)
+    assert not answers
 
 
 def test_other_users_cannot_open_objects():
