@@ -28,6 +28,13 @@ def main() -> None:
 @click.option("--l2", metavar="DIR:SIZE", help="L2 tier directory (normally tmpfs) and capacity, e.g. /dev/shm/kvfs:8G")
 @click.option("--l3", metavar="DIR:SIZE",
               help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G)")
+@click.option("--l4", metavar="s3://BUCKET/PREFIX|DIR",
+              help="L4 tier: an S3-compatible store (endpoint and credentials from AWS_ENDPOINT_URL, "
+                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS config files or the [l4] TOML section) or a "
+                   "directory on a distributed filesystem; L3 demotes to it instead of deleting")
+@click.option("--l4-capacity", metavar="SIZE", help="L4 capacity for this mount's private prefix (default unlimited)")
+@click.option("--l4-path-style/--l4-virtual-host", default=None,
+              help="S3 addressing (default: path-style when an endpoint is configured, as RGW and MinIO need)")
 @click.option("--promote", metavar="POLICY",
               help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
 @click.option("--codec", type=click.Choice(CODECS),
@@ -45,11 +52,12 @@ def main() -> None:
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
-def mount(mountpoint, l2, l3, promote, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
+def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, promote, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
           log_file, debug):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
-        cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, promote=promote, codec=codec,
+        cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
+                           l4_path_style=l4_path_style, promote=promote, codec=codec,
                            dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
                            debug=debug, log_file=log_file)
     except ConfigError as e:

@@ -10,9 +10,11 @@ import tomllib
 from pathlib import Path
 
 from . import lossy
+from .tiers.s3 import S3Location
 
 DEFAULT_L2_CAPACITY = 1 << 30  # a modest 1 GiB of tmpfs
 DEFAULT_L3_CAPACITY = 16 << 30  # local disk: an upper bound, nothing is preallocated
+DEFAULT_L4_CAPACITY = 1 << 60  # remote stores: unlimited unless the mount is given a share of a private prefix
 DEFAULT_HIGH_WATERMARK = 0.90  # the mover starts draining a tier above this fraction of its capacity …
 DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
@@ -51,11 +53,15 @@ def parse_tier_spec(spec: str) -> tuple[Path, int]:
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
     name: str
-    path: Path
+    path: Path | None  # a directory tier's; None for an object store (s3)
     capacity: int
     persistent: bool
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     low_watermark: float = DEFAULT_LOW_WATERMARK
+    s3: S3Location | None = None
+
+    def describe(self) -> str:
+        return self.s3.url if self.s3 is not None else str(self.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,7 @@ class Config:
     state_dir: Path
     l2: TierConfig
     l3: TierConfig | None = None
+    l4: TierConfig | None = None
     promotion: PromotionPolicy = PromotionPolicy()
     codec: str = "auto"
     dtype: str = "auto"
@@ -111,7 +118,7 @@ class Config:
     @property
     def tiers(self) -> tuple[TierConfig, ...]:
         """Fastest first."""
-        return (self.l2,) if self.l3 is None else (self.l2, self.l3)
+        return tuple(t for t in (self.l2, self.l3, self.l4) if t is not None)
 
 
 def default_max_dirty() -> int:
@@ -158,12 +165,58 @@ def _tier_config(name: str, section: dict, spec: str | None, default_path: Path 
         path, capacity = parse_tier_spec(spec)
     if path is None:
         return None
+    high, low = _watermarks(name.lower(), section)
+    return TierConfig(name, path, capacity, bool(section.get("persistent", persistent)), high, low)
+
+
+S3_KEYS = {"endpoint_url": str, "region": str, "profile": str, "path_style": bool, "access_key_id": str,
+           "secret_access_key": str, "timeout_s": float, "attempts": int}
+S3_SIZE_KEYS = ("multipart_threshold", "part_size")
+
+
+def _l4_config(section: dict, target: str | None, capacity: str | None, path_style: bool | None) -> TierConfig | None:
+    """L4 from its TOML section and the command line: an s3:// URL (any S3-compatible store) or a directory
+    on a mounted distributed filesystem. Credentials only from TOML or the environment, never arguments."""
+    tier_keys = {"url", "capacity", "high_watermark", "low_watermark"}
+    unknown = set(section) - tier_keys - set(S3_KEYS) - set(S3_SIZE_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown keys in [l4]: {sorted(unknown)}")
+    target = target or section.get("url")
+    if not target or target.strip().lower() == "none":
+        return None
+    capacity_bytes = parse_size(capacity or section.get("capacity", DEFAULT_L4_CAPACITY))
+    high, low = _watermarks("l4", section)
+    if not target.startswith("s3://"):
+        if set(section) & (set(S3_KEYS) | set(S3_SIZE_KEYS)):
+            raise ConfigError(f"[l4] S3 options given, but L4 is the directory {target!r}")
+        return TierConfig("L4", Path(target).expanduser(), capacity_bytes, True, high, low)
+    options = {}
+    for key, kind in S3_KEYS.items():
+        if key in section:
+            if not isinstance(section[key], kind) and not (kind is float and isinstance(section[key], int)):
+                raise ConfigError(f"[l4] {key} must be a {kind.__name__}")
+            options[key] = section[key]
+    for key in S3_SIZE_KEYS:
+        if key in section:
+            options[key] = parse_size(section[key])
+    if path_style is not None:
+        options["path_style"] = path_style
+    if options.get("part_size", 8 << 20) < (5 << 20):
+        raise ConfigError("[l4] part_size must be at least 5M (the S3 minimum part size)")
+    try:
+        location = S3Location.parse_url(target, **options)
+    except ValueError as e:
+        raise ConfigError(f"L4: {e}") from None
+    return TierConfig("L4", None, capacity_bytes, True, high, low, s3=location)
+
+
+def _watermarks(name: str, section: dict) -> tuple[float, float]:
     high = float(section.get("high_watermark", DEFAULT_HIGH_WATERMARK))
     low = float(section.get("low_watermark", DEFAULT_LOW_WATERMARK))
     if not 0 < low < high <= 1:
-        raise ConfigError(f"[{name.lower()}] watermarks must satisfy 0 < low_watermark < high_watermark <= 1, "
+        raise ConfigError(f"[{name}] watermarks must satisfy 0 < low_watermark < high_watermark <= 1, "
                           f"got low {low}, high {high}")
-    return TierConfig(name, path, capacity, bool(section.get("persistent", persistent)), high, low)
+    return high, low
 
 
 def load_toml(path: Path) -> dict:
@@ -182,6 +235,9 @@ def build_config(
     config_file: str | Path | None = None,
     l2: str | None = None,
     l3: str | None = None,
+    l4: str | None = None,
+    l4_capacity: str | None = None,
+    l4_path_style: bool | None = None,
     promote: str | None = None,
     codec: str | None = None,
     dtype: str | None = None,
@@ -195,7 +251,7 @@ def build_config(
     """Merge embedded defaults < TOML file < command line into one Config."""
     mnt = Path(mountpoint).expanduser()
     toml = load_toml(Path(config_file)) if config_file else {}
-    unknown = set(toml) - {"mount", "l2", "l3"}
+    unknown = set(toml) - {"mount", "l2", "l3", "l4"}
     if unknown:
         raise ConfigError(f"unknown config sections: {sorted(unknown)}")
     mount_t = toml.get("mount", {})
@@ -207,6 +263,10 @@ def build_config(
     l3_tier = _tier_config("L3", toml.get("l3", {}), l3, default_l3_dir(sdir), DEFAULT_L3_CAPACITY, True)
     if l3_tier is not None and l3_tier.path.resolve() == l2_tier.path.resolve():
         raise ConfigError("L2 and L3 must be different directories")
+    l4_tier = _l4_config(toml.get("l4", {}), l4, l4_capacity, l4_path_style)
+    if l4_tier is not None and l4_tier.path is not None and any(
+            t is not None and t.path.resolve() == l4_tier.path.resolve() for t in (l2_tier, l3_tier)):
+        raise ConfigError("L4 must be a directory of its own")
     promotion = PromotionPolicy.parse(promote or mount_t.get("promote", "always"))
 
     codec = codec or mount_t.get("codec", "auto")
@@ -230,6 +290,7 @@ def build_config(
         state_dir=sdir,
         l2=l2_tier,
         l3=l3_tier,
+        l4=l4_tier,
         promotion=promotion,
         codec=codec,
         dtype=dtype,

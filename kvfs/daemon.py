@@ -28,7 +28,7 @@ from .mover import Mover
 from .reconcile import reconcile
 from .stats import Counters
 from .store import Store
-from .tiers import DirectoryTier
+from .tiers import DirectoryTier, S3Tier, S3Unavailable, Tier
 
 log = logging.getLogger("kvfs")
 MAINTENANCE_TICK = 1.0  # seconds
@@ -51,6 +51,8 @@ def setup_logging(config: Config) -> None:
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)
     logging.getLogger("pyfuse3").setLevel(logging.INFO if config.debug else logging.WARNING)
     logging.getLogger("pyfuse3").addFilter(_StaleReplyFilter())
+    for chatty in ("botocore", "boto3", "urllib3", "s3transfer"):  # per-request notices: not kvfs events
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 class _StaleReplyFilter(logging.Filter):
@@ -92,7 +94,7 @@ def run(config: Config) -> int:
     _keep_frame_buffers_in_heap()
     lock_fd = _lock_state_dir(config)
     index = Index(config.index_path)
-    tiers = [DirectoryTier(t.name, t.path, t.capacity, t.persistent) for t in config.tiers]
+    tiers = open_tiers(config)
     report = reconcile(index, tiers)
     _warn_if_disk_smaller(tiers)
     counters = Counters(reconcile_orphans_removed=report.orphans_removed,
@@ -112,7 +114,7 @@ def run(config: Config) -> int:
         options.add("allow_other")
     pyfuse3.init(ops, str(config.mountpoint), options)
     log.info("mounted %s (%s; codec %s, promotion %s, %d files)", config.mountpoint,
-             ", ".join(f"{t.name} {t.path} {t.capacity >> 20} MiB" for t in config.tiers), config.codec,
+             ", ".join(f"{t.name} {t.describe()} {_capacity(t.capacity)}" for t in config.tiers), config.codec,
              config.promotion, sum(t.files for t in tiers))
     clean = False
     try:
@@ -124,6 +126,26 @@ def run(config: Config) -> int:
         os.close(lock_fd)
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
     return 0
+
+
+def open_tiers(config: Config) -> list[Tier]:
+    """The configured tiers, fastest first; an object store must answer now (SystemExit with the reason)."""
+    tiers: list[Tier] = []
+    for t in config.tiers:
+        if t.s3 is None:
+            tiers.append(DirectoryTier(t.name, t.path, t.capacity, t.persistent))
+            continue
+        tier = S3Tier(t.name, t.s3, t.capacity)
+        try:
+            tier.check()
+        except S3Unavailable as e:
+            raise SystemExit(f"kvfs: {e.strerror}") from None
+        tiers.append(tier)
+    return tiers
+
+
+def _capacity(size: int) -> str:
+    return "unlimited" if size >= 1 << 60 else f"{size >> 20} MiB"
 
 
 def _load_qat() -> QatCodec:
@@ -141,10 +163,12 @@ def _load_qat() -> QatCodec:
     return codec
 
 
-def _warn_if_disk_smaller(tiers: list[DirectoryTier]) -> None:
+def _warn_if_disk_smaller(tiers: list[Tier]) -> None:
     """A capacity larger than the filesystem under a tier can hold turns into ENOSPC from the disk (failed
     commits and moves) instead of orderly eviction: say so at start."""
     for tier in tiers:
+        if not isinstance(tier, DirectoryTier) or tier.capacity >= 1 << 60:
+            continue
         disk = os.statvfs(tier.root)
         room = disk.f_bavail * disk.f_frsize + tier.used_bytes
         if room < tier.capacity:

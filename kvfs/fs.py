@@ -374,13 +374,13 @@ class Operations(pyfuse3.Operations):
         h = self._handle(fh)
         if h.state is None:
             return h.snapshot[off:off + size]
+        self.index.note_access(h.ino)  # before the read: a promotion it starts must see the file as recent
         if not h.read_seen and h.state.ref is not None:
             h.read_seen = True
             self.mover.note_read(h.ino, h.state.ref.tier)
         data = await h.state.read(off, size)
         self.counters.read_requests += 1
         self.counters.bytes_read += len(data)
-        self.index.note_access(h.ino)
         return data
 
     @_guard

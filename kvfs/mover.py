@@ -272,12 +272,26 @@ class Mover:
 
     async def _promote_queued(self) -> None:
         fastest = self.order[0]
+        busy: list[int] = []
         while self._promotions:
             batch = list(self._promotions)[:MOVES_IN_FLIGHT]
             async with trio.open_nursery() as nursery:
                 for ino in batch:
                     del self._promotions[ino]
-                    nursery.start_soon(self.move, ino, fastest)
+                    nursery.start_soon(self._promote, ino, fastest, busy)
+        for ino in busy:  # a flush or commit held the file: try again at the next pass, not now
+            self._promotions.setdefault(ino, None)
+
+    async def _promote(self, ino: int, fastest: Tier, busy: list[int]) -> None:
+        async with self.locks.holding(ino, wait=False) as held:
+            if not held:
+                busy.append(ino)
+                return
+            self._moving += 1
+            try:
+                await self._move_locked(ino, fastest)
+            finally:
+                self._moving -= 1
 
     # -- fsync -------------------------------------------------------------------------------------------
     async def make_durable(self, ino: int) -> None:

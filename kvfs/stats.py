@@ -54,7 +54,7 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
         logical_all += logical
         stored_all += stored
         tier_docs[t.name] = {
-            "path": str(getattr(t, "root", "")),
+            "path": t.describe(),
             "persistent": t.persistent,
             "capacity_bytes": t.capacity,
             "used_bytes": t.used_bytes,
@@ -63,6 +63,7 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
             "compression_ratio": round(stored / logical, 4) if logical else None,
             "read_bytes": read_bytes.get(t.name, 0),
             **dataclasses.asdict(counters.tier(t.name)),
+            **t.stats(),
         }
     doc = {
         "version": 1,

@@ -40,7 +40,8 @@ class KvfsMount:
         self.exit_codes: list[int] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self, *args: str, l2_size: str = "512M", timeout: float = 20.0) -> "KvfsMount":
+    def start(self, *args: str, l2_size: str = "512M", timeout: float = 20.0,
+              env: dict[str, str] | None = None) -> "KvfsMount":
         self.args = [*args]
         if not any(a.startswith("--l2") for a in args):
             self.args += ["--l2", f"{self.l2}:{l2_size}"]
@@ -55,7 +56,8 @@ class KvfsMount:
         log = open(self.log_path, "ab")
         log.write(f"=== start {' '.join(cmd)}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=self.root)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=self.root,
+                                     env={**os.environ, **env} if env else None)
         log.close()
         deadline = time.monotonic() + timeout
         while not os.path.ismount(self.mountpoint):
@@ -173,3 +175,30 @@ def kv_samples(dtype: str) -> list[Path]:
     if not files:
         pytest.fail(f"no real KV sample for {dtype} in {KV_DATA} (produced by tools/dump_kv.py)")
     return files
+
+
+@pytest.fixture(scope="session")
+def ceph(tmp_path_factory):
+    """A real one-host Ceph cluster (1 memstore OSD, RGW on 127.0.0.1:7480) for the whole session; every test
+    that uses it works under its own bucket prefix. tools/install_ceph.sh installs the packages (CI runs it)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from ceph_cluster import CephCluster
+
+    cluster = CephCluster(tmp_path_factory.mktemp("ceph"))
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()
+
+
+def s3_client(cluster):
+    import boto3
+    from botocore.config import Config
+
+    env = cluster.env
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"}))

@@ -2,5 +2,6 @@
 
 from .base import ObjectInfo, Tier
 from .directory import DirectoryTier
+from .s3 import S3Location, S3Tier, S3Unavailable
 
-__all__ = ["DirectoryTier", "ObjectInfo", "Tier"]
+__all__ = ["DirectoryTier", "ObjectInfo", "S3Location", "S3Tier", "S3Unavailable", "Tier"]

@@ -28,6 +28,14 @@ class Tier(abc.ABC):
         self.used_bytes = 0
         self.files = 0
 
+    def describe(self) -> str:
+        """Where the tier keeps its objects, for logs and stats (never credentials)."""
+        return self.name
+
+    def stats(self) -> dict:
+        """Tier-specific figures for .kvfs/stats (requests and bytes of a remote store)."""
+        return {}
+
     def free_bytes(self) -> int:
         return max(0, self.capacity - self.used_bytes)
 
@@ -38,7 +46,11 @@ class Tier(abc.ABC):
     def copy_from(self, source: "Tier", object_id: str, size: int, durable: bool) -> int:
         """Create the object as a copy of `source`'s (the move protocol: temp, fsync, rename). Returns the
         bytes copied; fewer than `size` when the source is shorter."""
-        return self.put(object_id, _chunks(source, object_id, size), durable)
+        return self.put(object_id, source.chunks(object_id, size), durable)
+
+    def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
+        """The object's bytes in pieces, for a copy; ends early when the object is shorter than `size`."""
+        return _chunks(self, object_id, size)
 
     @abc.abstractmethod
     def read(self, object_id: str, offset: int, length: int) -> bytes:

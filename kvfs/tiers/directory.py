@@ -23,6 +23,9 @@ class DirectoryTier(Tier):
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
 
+    def describe(self) -> str:
+        return str(self.root)
+
     def _path(self, object_id: str) -> Path:
         shard = format(hash_shard(object_id), "02x")
         return self.root / shard / object_id

@@ -1,0 +1,311 @@
+"""A tier on an S3-compatible object store (Ceph RGW, MinIO, AWS S3): kvfs's L4.
+
+Layout: s3://<bucket>/<prefix>/objects/<2 hex digits>/<object_id>, the same encoded objects as the local tiers
+(moves copy them as they are, no recompression). Each object's user metadata repeats what its header says —
+logical size, dtype, codec, lossy mode — so a listing or a HEAD tells what an object holds without a GET.
+
+- Endpoint and credentials come the standard way: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID /
+  AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the AWS config files; or the [l4] section of the TOML config. Never
+  from the command line, never into logs (S3Location hides the secret from its repr).
+- Puts are atomic by the store's own semantics: a single PUT up to `multipart_threshold`, multipart above it
+  (aborted on failure, so no partial object is ever visible). Reads are ranged GETs: only the frames a read
+  touches travel. A whole-object copy (promotion) is one streamed GET.
+- Every call has a connect and read timeout and a bounded number of retries (botocore's standard mode).
+  A missing object raises FileNotFoundError, like a local tier; any other failure OSError(EIO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import threading
+from collections.abc import Iterable, Iterator
+
+from .. import format as fmt
+from .base import ObjectInfo, Tier
+from .directory import hash_shard
+
+OBJECTS = "objects"
+META_PREFIX = "kvfs-"
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Location:
+    """Where L4 lives and how to reach it. Credentials given here (TOML) override the environment's."""
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None  # None: AWS_ENDPOINT_URL or the AWS config files, else AWS itself
+    region: str | None = None
+    profile: str | None = None
+    path_style: bool | None = None  # None: path-style when an endpoint is set (RGW, MinIO), else virtual-host
+    access_key_id: str | None = dataclasses.field(default=None, repr=False)
+    secret_access_key: str | None = dataclasses.field(default=None, repr=False)
+    timeout_s: float = 10.0  # per attempt: connecting and each read of the answer
+    attempts: int = 3
+    multipart_threshold: int = 16 << 20
+    part_size: int = 8 << 20
+
+    @classmethod
+    def parse_url(cls, url: str, **options) -> "S3Location":
+        """'s3://BUCKET/PREFIX' → S3Location; ValueError for anything else."""
+        if not url.startswith("s3://"):
+            raise ValueError(f"not an s3:// URL: {url!r}")
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {url!r}")
+        return cls(bucket=bucket, prefix=prefix.strip("/"), **options)
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+class S3Unavailable(OSError):
+    """The store did not answer as it should (down, refusing, timed out): EIO for the caller."""
+
+    def __init__(self, what: str, cause: Exception) -> None:
+        super().__init__(errno.EIO, f"{what}: {_describe(cause)}")
+
+
+class S3Tier(Tier):
+    def __init__(self, name: str, location: S3Location, capacity: int) -> None:
+        super().__init__(name, capacity, persistent=True)
+        self.location = location
+        self.client = _client(location)
+        self._base = f"{location.prefix}/{OBJECTS}/" if location.prefix else f"{OBJECTS}/"
+        self._lock = threading.Lock()
+        self.requests = {"get": 0, "put": 0, "head": 0, "delete": 0, "list": 0}
+        self.bytes_in = 0  # downloaded
+        self.bytes_out = 0  # uploaded
+        self.failures = 0
+
+    def describe(self) -> str:
+        return self.location.url
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Fail at mount with a clear message when the bucket cannot be reached or used."""
+        try:
+            self.client.head_bucket(Bucket=self.location.bucket)
+        except Exception as e:  # noqa: BLE001 - every failure becomes one clear message
+            endpoint = self.client.meta.endpoint_url
+            raise S3Unavailable(f"L4 {self.location.url} at {endpoint} is not usable", e) from None
+
+    # -- the tier interface --------------------------------------------------------------------------------
+    def _key(self, object_id: str) -> str:
+        return f"{self._base}{hash_shard(object_id):02x}/{object_id}"
+
+    def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
+        key = self._key(object_id)
+        buffered: list[bytes] = []
+        size = 0
+        upload = None
+        try:
+            for part in parts:
+                buffered.append(bytes(part))
+                size += len(part)
+                if upload is None and size > self.location.multipart_threshold:
+                    upload = _Multipart(self, key, _metadata(buffered[0]))
+                if upload is not None:
+                    buffered = upload.feed(buffered)
+            if upload is None:
+                body = b"".join(buffered)
+                self._call("put", self.client.put_object, Bucket=self.location.bucket, Key=key, Body=body,
+                           Metadata=_metadata(body))
+                self._count(out=len(body))
+            else:
+                upload.finish(buffered)
+        except BaseException:
+            if upload is not None:
+                upload.abort()
+            raise
+        return size
+
+    def read(self, object_id: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            answer = self.client.get_object(Bucket=self.location.bucket, Key=self._key(object_id),
+                                            Range=f"bytes={offset}-{offset + length - 1}")
+            data = answer["Body"].read()
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if _code(e) == "InvalidRange":
+                return b""  # past the end: the object is shorter, as a short local read says
+            raise self._failure("get", object_id, e) from None
+        self._count("get", into=len(data))
+        return data
+
+    def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
+        """The whole object in one streamed GET (a promotion's copy)."""
+        try:
+            answer = self.client.get_object(Bucket=self.location.bucket, Key=self._key(object_id))
+            self._count("get")
+            for chunk in answer["Body"].iter_chunks(4 << 20):
+                self._count(into=len(chunk))
+                yield chunk
+        except Exception as e:  # noqa: BLE001
+            raise self._failure("get", object_id, e) from None
+
+    def size_of(self, object_id: str) -> int | None:
+        try:
+            answer = self._call("head", self.client.head_object, Bucket=self.location.bucket,
+                                Key=self._key(object_id))
+        except FileNotFoundError:
+            return None
+        return int(answer["ContentLength"])
+
+    def delete(self, object_id: str) -> None:
+        self._call("delete", self.client.delete_object, Bucket=self.location.bucket, Key=self._key(object_id))
+
+    def scan(self) -> Iterator[ObjectInfo]:
+        for key, size in self._list(self._base):
+            shard, _, oid = key[len(self._base):].partition("/")
+            if oid and "/" not in oid and shard == f"{hash_shard(oid):02x}":
+                yield ObjectInfo(oid, size)
+
+    def remove_strays(self) -> int:
+        """Abandoned multipart uploads (a crash mid-upload) and keys out of place under the prefix."""
+        removed = 0
+        uploads = self._call("list", self.client.list_multipart_uploads, Bucket=self.location.bucket,
+                             Prefix=self._base)
+        for u in uploads.get("Uploads", []):
+            self._call("delete", self.client.abort_multipart_upload, Bucket=self.location.bucket, Key=u["Key"],
+                       UploadId=u["UploadId"])
+            removed += 1
+        for key, _ in self._list(self._base):
+            shard, _, oid = key[len(self._base):].partition("/")
+            if not oid or "/" in oid or shard != f"{hash_shard(oid):02x}":
+                self._call("delete", self.client.delete_object, Bucket=self.location.bucket, Key=key)
+                removed += 1
+        return removed
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"endpoint": self.client.meta.endpoint_url,
+                    "requests": dict(self.requests), "bytes_downloaded": self.bytes_in,
+                    "bytes_uploaded": self.bytes_out, "failures": self.failures}
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix):
+                self._count("list")
+                for item in page.get("Contents", []):
+                    yield item["Key"], int(item["Size"])
+        except Exception as e:  # noqa: BLE001
+            raise self._failure("list", prefix, e) from None
+
+    def _call(self, kind: str, fn, **kwargs):
+        try:
+            answer = fn(**kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise self._failure(kind, kwargs.get("Key", kwargs.get("Prefix", "")), e) from None
+        self._count(kind)
+        return answer
+
+    def _count(self, kind: str | None = None, into: int = 0, out: int = 0) -> None:
+        with self._lock:
+            if kind:
+                self.requests[kind] += 1
+            self.bytes_in += into
+            self.bytes_out += out
+
+    def _failure(self, kind: str, what: str, e: Exception) -> OSError:
+        if _code(e) in ("NoSuchKey", "404", "NotFound"):
+            with self._lock:
+                self.requests[kind] += 1
+            return FileNotFoundError(errno.ENOENT, f"{self.location.url}: no object {what}")
+        with self._lock:
+            self.failures += 1
+        return S3Unavailable(f"L4 {kind} {what}", e)
+
+
+class _Multipart:
+    """One multipart upload: parts of `part_size` as the data comes; completed or aborted, never left."""
+
+    def __init__(self, tier: S3Tier, key: str, metadata: dict[str, str]) -> None:
+        self.tier, self.key = tier, key
+        self.bucket = tier.location.bucket
+        answer = tier._call("put", tier.client.create_multipart_upload, Bucket=self.bucket, Key=key,
+                            Metadata=metadata)
+        self.upload_id = answer["UploadId"]
+        self.done: list[dict] = []
+
+    def feed(self, buffered: list[bytes]) -> list[bytes]:
+        data = b"".join(buffered)
+        size = self.tier.location.part_size
+        while len(data) >= size:
+            self._part(data[:size])
+            data = data[size:]
+        return [data] if data else []
+
+    def finish(self, buffered: list[bytes]) -> None:
+        rest = b"".join(buffered)
+        if rest:
+            self._part(rest)
+        self.tier._call("put", self.tier.client.complete_multipart_upload, Bucket=self.bucket, Key=self.key,
+                        UploadId=self.upload_id, MultipartUpload={"Parts": self.done})
+
+    def abort(self) -> None:
+        try:
+            self.tier.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+        except Exception:  # noqa: BLE001 - remove_strays aborts it at the next start
+            pass
+
+    def _part(self, data: bytes) -> None:
+        n = len(self.done) + 1
+        answer = self.tier._call("put", self.tier.client.upload_part, Bucket=self.bucket, Key=self.key,
+                                 UploadId=self.upload_id, PartNumber=n, Body=data)
+        self.tier._count(out=len(data))
+        self.done.append({"PartNumber": n, "ETag": answer["ETag"]})
+
+
+def _metadata(head: bytes) -> dict[str, str]:
+    """What the object's header says, as S3 user metadata (x-amz-meta-kvfs-*)."""
+    try:
+        h = fmt.parse_header(bytes(head))
+    except fmt.CorruptObject:
+        return {}
+    return {f"{META_PREFIX}size": str(h.raw_size), f"{META_PREFIX}codec": str(h.codec),
+            f"{META_PREFIX}dtype": fmt.DTYPE_NAMES.get(h.dtype, str(h.dtype)),
+            f"{META_PREFIX}lossy": f"{h.lossy_mode}:{h.lossy_param}"}
+
+
+def _client(location: S3Location):
+    import boto3  # imported here: mounts without L4 do not pay boto3's import time
+    from botocore.config import Config
+
+    session = boto3.session.Session(profile_name=location.profile, region_name=location.region,
+                                    aws_access_key_id=location.access_key_id,
+                                    aws_secret_access_key=location.secret_access_key)
+    endpoint = location.endpoint_url
+    configured_endpoint = endpoint or _configured_endpoint(session)
+    path_style = location.path_style if location.path_style is not None else configured_endpoint is not None
+    config = Config(connect_timeout=min(location.timeout_s, 5.0), read_timeout=location.timeout_s,
+                    retries={"mode": "standard", "total_max_attempts": location.attempts},
+                    s3={"addressing_style": "path" if path_style else "auto"},
+                    max_pool_connections=16, request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required")
+    return session.client("s3", endpoint_url=endpoint, config=config)
+
+
+def _configured_endpoint(session) -> str | None:
+    import os
+
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or \
+        session._session.get_config_variable("endpoint_url")
+
+
+def _code(e: Exception) -> str:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _describe(e: Exception) -> str:
+    code = _code(e)
+    text = str(e) or type(e).__name__
+    return f"{code}: {text}" if code and code not in text else text

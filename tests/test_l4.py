@@ -1,0 +1,218 @@
+"""L4 on a real Ceph cluster (RGW, S3 API) and on a directory: demotion, promotion, restart, faults at mount,
+corruption, multipart and ranged reads, configuration."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import KvfsMount, kv_samples, s3_client
+from kvfs import config as cfg
+from kvfs.tiers.s3 import S3Location
+
+FILE_BYTES = 3_000_000
+
+
+def sample_bytes(i: int) -> bytes:
+    """Real KV bytes, distinct per i (a sample and its index: stored objects differ)."""
+    samples = kv_samples("bf16")
+    data = samples[i % len(samples)].read_bytes()
+    return (i.to_bytes(4, "little") + data)[:FILE_BYTES]
+
+
+def start_with_l4(m: KvfsMount, cluster, prefix: str, *args: str, l2: str = "8M", l3: str = "8M") -> KvfsMount:
+    return m.start("--l3", f"{m.root / (m.mountpoint.name + '-l3')}:{l3}", "--l4", f"s3://kvfs-test/{prefix}",
+                   *args, l2_size=l2, env=cluster.env)
+
+
+def l4_keys(cluster, prefix: str) -> dict[str, int]:
+    s3 = s3_client(cluster)
+    keys = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kvfs-test", Prefix=f"{prefix}/"):
+        keys.update({item["Key"]: item["Size"] for item in page.get("Contents", [])})
+    return keys
+
+
+def settle(m: KvfsMount, timeout: float = 30.0) -> dict:
+    """Stats once the mover is idle: no moves in flight, no backlog, no promotions queued."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = m.stats()
+        mover = st["mover"]
+        if not (mover["moves_in_flight"] or mover["backlog_bytes"] or mover["promotions_queued"]):
+            return st
+        assert time.monotonic() < deadline, mover
+        time.sleep(0.1)
+
+
+def tier_of(path) -> str:
+    return os.getxattr(path, "user.kvfs.tier").decode()
+
+
+def write(path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_l3_demotes_to_l4_and_reads_come_back(make_mount, ceph):
+    """Small L2 and L3: older files go down to L4 (the bucket holds their objects, accounted in stats); every
+    file reads back exactly, and a file read from L4 is promoted to L2."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    m = start_with_l4(make_mount(), ceph, prefix)
+    files = {f"f{i}.kv": sample_bytes(i) for i in range(10)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    st = settle(m)["tiers"]  # the mover drains in the background
+    tiers = {name: tier_of(m.path(name)) for name in files}
+    assert "L4" in tiers.values(), tiers
+    keys = l4_keys(ceph, prefix)
+    assert st["L4"]["files"] == len(keys) == sum(t == "L4" for t in tiers.values())
+    assert st["L4"]["used_bytes"] == sum(keys.values())
+    assert st["L3"]["demoted_files"] >= st["L4"]["files"]
+    assert st["L4"]["requests"]["put"] >= st["L4"]["files"]
+    assert st["L4"]["path"] == f"s3://kvfs-test/{prefix}"
+    in_l4 = [name for name, t in tiers.items() if t == "L4"]
+    promoted = st["L2"]["promoted_files"]
+    assert m.path(in_l4[0]).read_bytes() == files[in_l4[0]]  # the first read (later ones hit the page cache)
+    st = settle(m)["tiers"]
+    assert tier_of(m.path(in_l4[0])) == "L2"  # and stays: the read made it the most recent file
+    assert st["L2"]["promoted_files"] == promoted + 1 and st["L4"]["hits"] == 1
+    for name, data in files.items():  # the churn of small tiers: promotions push other files down again
+        assert m.path(name).read_bytes() == data, name
+    assert m.stats()["tiers"]["L4"]["hits"] >= len(in_l4) - 1
+
+
+def test_l4_files_survive_a_restart(make_mount, ceph):
+    """Objects in L4 are kept by the start-up reconcile and read back after a remount; a lost L2 (tmpfs at
+    reboot) loses only what was there."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    m = start_with_l4(make_mount(), ceph, prefix)
+    files = {f"f{i}.kv": sample_bytes(i + 20) for i in range(10)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    settle(m)
+    in_l4 = {name for name in files if tier_of(m.path(name)) == "L4"}
+    assert in_l4
+    assert m.stop() == 0
+    start_with_l4(m, ceph, prefix)
+    assert m.stats()["reconcile_orphans_removed"] == 0
+    for name in in_l4:
+        assert tier_of(m.path(name)) == "L4"
+        assert m.path(name).read_bytes() == files[name]
+
+
+def test_multipart_upload_and_ranged_reads(make_mount, ceph, tmp_path):
+    """A file above the multipart threshold goes up in parts; reading 4 KiB of it from L4 downloads the header,
+    the frame it touches and the read-ahead's, not the object."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text('[l4]\nmultipart_threshold = "5M"\npart_size = "5M"\n[mount]\npromote = "never"\n')
+    m = start_with_l4(make_mount(), ceph, prefix, "--config", str(toml), "--codec", "none", l2="4M", l3="4M")
+    data = b"".join(sample_bytes(i) for i in range(4))[:11_000_000]
+    write(m.path("big.kv"), data)
+    write(m.path("push.kv"), sample_bytes(99))  # a second file pushes big.kv down
+    for _ in range(100):
+        if tier_of(m.path("big.kv")) == "L4":
+            break
+        time.sleep(0.1)
+    assert tier_of(m.path("big.kv")) == "L4"
+    s3 = s3_client(ceph)
+    key = next(k for k, size in l4_keys(ceph, prefix).items() if size > 10_000_000)
+    head = s3.head_object(Bucket="kvfs-test", Key=key)
+    assert head["ETag"].strip('"').endswith("-3"), head["ETag"]  # 11 MB in 5 MiB parts
+    assert head["Metadata"]["kvfs-size"] == str(len(data))
+    before = m.stats()["tiers"]["L4"]["bytes_downloaded"]
+    with open(m.path("big.kv"), "rb") as f:
+        f.seek(5_000_000)
+        assert f.read(4096) == data[5_000_000:5_004_096]
+    downloaded = m.stats()["tiers"]["L4"]["bytes_downloaded"] - before
+    assert 0 < downloaded <= 3 * (1 << 20) + (64 << 10) < len(data) / 3, downloaded  # + read-ahead frames
+    assert m.path("big.kv").read_bytes() == data
+
+
+def test_corrupt_l4_object_is_an_error_not_data(make_mount, ceph):
+    """An object changed in the bucket fails its checksum: EIO, the file is dropped, never wrong bytes."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never")
+    files = {f"f{i}.kv": sample_bytes(i + 40) for i in range(10)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    settle(m)
+    victim = next(name for name in files if tier_of(m.path(name)) == "L4")
+    stored = int(os.getxattr(m.path(victim), "user.kvfs.stored_bytes"))
+    s3 = s3_client(ceph)
+    key = next(k for k, size in l4_keys(ceph, prefix).items() if size == stored)
+    body = bytearray(s3.get_object(Bucket="kvfs-test", Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x40
+    s3.put_object(Bucket="kvfs-test", Key=key, Body=bytes(body))
+    m.expect_log("corrupt")
+    with pytest.raises(OSError) as e:
+        m.path(victim).read_bytes()
+    assert e.value.errno == errno.EIO
+    assert m.stats()["checksum_failures"] >= 1
+
+
+def test_unreachable_endpoint_at_mount_is_a_clear_error(tmp_path, ceph):
+    """Mounting with an endpoint nobody answers fails at once, saying which L4 and why; the secret key never
+    appears in the output or the log."""
+    env = {**ceph.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    m = KvfsMount(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "kvfs", "mount", str(m.mountpoint), "--l4", "s3://kvfs-test/x",
+                          "--state-dir", str(m.state), "--l2", f"{m.l2}:8M"], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=60)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr + m.state.joinpath("kvfs.log").read_text()
+    assert "L4 s3://kvfs-test/x at http://127.0.0.1:9 is not usable" in text, text
+    assert ceph.env["AWS_SECRET_ACCESS_KEY"] not in text
+    assert not os.path.ismount(m.mountpoint)
+
+
+def test_directory_l4(make_mount, tmp_path):
+    """--l4 DIR: a directory on a distributed filesystem, through the same tier interface."""
+    m = make_mount()
+    l4 = tmp_path / "shared-fs"
+    m.start("--l3", f"{tmp_path / 'l3'}:8M", "--l4", str(l4), l2_size="8M")
+    files = {f"f{i}.kv": sample_bytes(i + 60) for i in range(10)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    settle(m)
+    assert "L4" in {tier_of(m.path(name)) for name in files}
+    assert m.stats()["tiers"]["L4"]["files"] == len([p for p in l4.glob("*/*") if p.is_file()]) > 0
+    for name, data in files.items():
+        assert m.path(name).read_bytes() == data
+
+
+def test_l4_configuration():
+    """URL, TOML options and their checks; credentials never in a repr."""
+    c = cfg.build_config("/mnt/x", l4="s3://bucket/some/prefix/", l4_capacity="2T")
+    assert c.l4.s3 == S3Location("bucket", "some/prefix") and c.l4.capacity == 2 << 40 and c.l4.persistent
+    assert [t.name for t in c.tiers] == ["L2", "L3", "L4"]
+    assert cfg.build_config("/mnt/x").l4 is None
+    assert cfg.build_config("/mnt/x", l4="/mnt/cephfs/kv").l4.path.as_posix() == "/mnt/cephfs/kv"
+    loc = S3Location.parse_url("s3://b/p", access_key_id="AKIA", secret_access_key="very-secret")
+    assert "very-secret" not in repr(loc) and "AKIA" not in repr(loc)
+    with pytest.raises(cfg.ConfigError, match="no bucket"):
+        cfg.build_config("/mnt/x", l4="s3:///p")
+
+
+def test_l4_toml_options(tmp_path):
+    toml = tmp_path / "k.toml"
+    toml.write_text('[l4]\nurl = "s3://b/p"\nendpoint_url = "http://127.0.0.1:7480"\npath_style = true\n'
+                    'secret_access_key = "s"\naccess_key_id = "a"\npart_size = "16M"\n')
+    c = cfg.build_config("/mnt/x", config_file=toml)
+    assert c.l4.s3.endpoint_url == "http://127.0.0.1:7480" and c.l4.s3.path_style and c.l4.s3.part_size == 16 << 20
+    toml.write_text('[l4]\nurl = "s3://b/p"\npart_size = "1M"\n')
+    with pytest.raises(cfg.ConfigError, match="part_size"):
+        cfg.build_config("/mnt/x", config_file=toml)
+    toml.write_text('[l4]\nurl = "s3://b/p"\nendpoint = "x"\n')
+    with pytest.raises(cfg.ConfigError, match="unknown keys"):
+        cfg.build_config("/mnt/x", config_file=toml)
+    toml.write_text('[l4]\nurl = "/some/dir"\npath_style = true\n')
+    with pytest.raises(cfg.ConfigError, match="S3 options"):
+        cfg.build_config("/mnt/x", config_file=toml)
