@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""L4 benchmark on a real Ceph cluster (RGW, S3 API) started for the run: kvfs's moves against raw boto3.
+
+Per round, on real KV files (tests/data/kv, or --data DIR of .kv files), with fresh mounts and prefixes:
+
+  demotion   files written and fsync'ed into a roomy L3 are remounted with an L3 of 1 MiB: the mover demotes all
+             of them to L4 (4 moves in flight). Rate = stored bytes / (mount live → L4 holds them all).
+  raw PUT    the same objects' bytes PUT by boto3 under another prefix, 4 threads (the mover's concurrency).
+  promotion  one byte of each file read from L4 by THREADS readers (promote always: the first read queues the
+             file's promotion; the mover copies the whole object, 4 moves in flight): rate = stored bytes / (first read → all on L2). Then every file is read whole and checked.
+  raw GET    the same objects fetched whole by boto3, 4 threads.
+  cold read  open+read+close latency of one file (p50 over the files) from L2, L3 (its object dropped from
+             the page cache) and L4 (promote never), the mount's page cache dropped before each read.
+
+Ratios are kvfs / raw in the same round (this machine is shared: compare within a run). Prints a table, saves
+JSON (--out). Every file read is compared with its source; wrong bytes abort (exit status 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+from ceph_cluster import BUCKET, CephCluster  # noqa: E402
+
+THREADS = 4
+POLL_S = 0.02
+
+
+class Mount:
+    def __init__(self, base: Path, tag: str, env: dict, *args: str) -> None:
+        self.mountpoint = base / tag
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.state = base / f"{tag}-state"
+        self.args = [*args, "--state-dir", str(self.state)]
+        self.env = {**os.environ, **env}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *extra: str) -> float:
+        log = open(self.state.parent / f"{self.mountpoint.name}.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", "--foreground", str(self.mountpoint),
+                                      *self.args, *extra], stdout=log, stderr=log, env=self.env)
+        while not os.path.ismount(self.mountpoint):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"kvfs failed to mount; see {log.name}")
+            time.sleep(0.01)
+        return time.monotonic()
+
+    def stop(self) -> None:
+        subprocess.run(["fusermount3", "-u", str(self.mountpoint)], check=True)
+        self.proc.wait(60)
+
+    def stats(self) -> dict:
+        return json.loads((self.mountpoint / ".kvfs" / "stats").read_bytes())
+
+    def tier_of(self, name: str) -> str:
+        return os.getxattr(self.mountpoint / name, "user.kvfs.tier").decode()
+
+
+def kv_files(data_dir: Path, n: int) -> list[bytes]:
+    paths = sorted(data_dir.rglob("*.kv"))
+    if not paths:
+        raise SystemExit(f"no .kv files under {data_dir}")
+    return [paths[i % len(paths)].read_bytes() + i.to_bytes(4, "little") for i in range(n)]
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_checked(path: Path, expected: bytes) -> float:
+    drop_page_cache(path)
+    t = time.monotonic()
+    with open(path, "rb", buffering=0) as f:
+        data = f.read()
+    elapsed = time.monotonic() - t
+    if data != expected:
+        print(f"WRONG BYTES from {path}", file=sys.stderr)
+        sys.exit(3)
+    return elapsed
+
+
+def first_byte(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read(1)
+
+
+def wait_until(mount: Mount, done) -> tuple[float, dict]:
+    while True:
+        st = mount.stats()
+        if done(st):
+            return time.monotonic(), st
+        time.sleep(POLL_S)
+
+
+def l4_objects(s3, prefix: str) -> list[tuple[str, int]]:
+    keys = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/"):
+        keys += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
+    return keys
+
+
+def raw_get_put(s3, keys: list[str], prefix: str) -> tuple[float, float, int]:
+    """Seconds to GET the objects kvfs stored, and to PUT the same bytes under `prefix`, THREADS at a time."""
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        t = time.monotonic()
+        bodies = list(pool.map(lambda k: s3.get_object(Bucket=BUCKET, Key=k)["Body"].read(), keys))
+        get_s = time.monotonic() - t
+        t = time.monotonic()
+        list(pool.map(lambda kb: s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{kb[0]}", Body=kb[1]),
+                      zip(keys, bodies)))
+        put_s = time.monotonic() - t
+    return get_s, put_s, sum(map(len, bodies))
+
+
+def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3) -> dict:
+    env = cluster.env
+    names = [f"f{i:03d}.kv" for i in range(len(files))]
+    prefix = f"bench-{os.getpid()}-{rnd}"
+    roomy = ["--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:4G"]
+    m = Mount(base, f"r{rnd}", env, "--l4", f"s3://{BUCKET}/{prefix}", "--promote", "never")
+    m.start(*roomy)
+    for name, data in zip(names, files):
+        with open(m.mountpoint / name, "wb") as f:
+            f.write(data)
+    cold = {"L2": [read_checked(m.mountpoint / n, d) for n, d in zip(names, files)]}
+    for name in names:
+        fd = os.open(m.mountpoint / name, os.O_RDONLY)
+        os.fsync(fd)  # → L3
+        os.close(fd)
+    for obj in (base / f"r{rnd}-l3").glob("*/*"):
+        drop_page_cache(obj)
+    cold["L3"] = [read_checked(m.mountpoint / n, d) for n, d in zip(names, files)]
+    stored = m.stats()["tiers"]["L3"]["used_bytes"]
+    m.stop()
+
+    # demotion: the same mount with a 1 MiB L3 drains everything to L4
+    live = m.start("--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M")
+    t_done, st = wait_until(m, lambda s: s["tiers"]["L4"]["files"] == len(files) and not s["mover"]["backlog_bytes"])
+    demote_s = t_done - live
+    assert st["tiers"]["L4"]["used_bytes"] == stored, (st["tiers"]["L4"], stored)
+    cold["L4"] = [read_checked(m.mountpoint / n, d) for n, d in zip(names, files)]
+    m.stop()
+
+    keys = [k for k, _ in l4_objects(s3, prefix)]
+    get_s, put_s, raw_bytes = raw_get_put(s3, keys, f"{prefix}-raw")
+    assert raw_bytes == stored and len(keys) == len(files)
+
+    # promotion: read each file once with promotion on
+    m.start("--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # readers of one byte, THREADS at a time:
+        list(pool.map(first_byte, (m.mountpoint / n for n in names)))  # each read queues its file's promotion
+    t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == len(files) and not s["mover"]["moves_in_flight"])
+    promote_s = t_done - t0
+    for name, data in zip(names, files):
+        read_checked(m.mountpoint / name, data)
+    m.stop()
+    mb = stored / 1e6
+    return {"files": len(files), "logical_bytes": sum(map(len, files)), "stored_bytes": stored,
+            "demotion_MBps": mb / demote_s, "raw_put_MBps": mb / put_s,
+            "promotion_MBps": mb / promote_s, "raw_get_MBps": mb / get_s,
+            "demotion_vs_put": put_s / demote_s, "promotion_vs_get": get_s / promote_s,
+            "cold_read_ms_p50": {t: statistics.median(v) * 1e3 for t, v in cold.items()}}
+
+
+def report(rounds: list[dict], args) -> dict:
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    summary = {k: med(k) for k in ("demotion_MBps", "raw_put_MBps", "promotion_MBps", "raw_get_MBps",
+                                   "demotion_vs_put", "promotion_vs_get")}
+    summary["cold_read_ms_p50"] = {t: statistics.median(r["cold_read_ms_p50"][t] for r in rounds)
+                                   for t in ("L2", "L3", "L4")}
+    r0 = rounds[0]
+    print(f"\nL4 on Ceph RGW ({args.store}, 1 OSD), {r0['files']} real KV files, "
+          f"{r0['logical_bytes'] / 1e6:.0f} MB logical / {r0['stored_bytes'] / 1e6:.0f} MB stored, "
+          f"median of {len(rounds)} rounds")
+    print(f"{'move':<12}{'kvfs MB/s':>11}{'boto3 MB/s':>12}{'kvfs/raw':>10}   target >= 0.80")
+    for label, ours, raw, ratio in (("demotion", "demotion_MBps", "raw_put_MBps", "demotion_vs_put"),
+                                    ("promotion", "promotion_MBps", "raw_get_MBps", "promotion_vs_get")):
+        verdict = "PASS" if summary[ratio] >= 0.8 else "MISS"
+        print(f"{label:<12}{summary[ours]:>11.1f}{summary[raw]:>12.1f}{summary[ratio]:>10.2f}   {verdict}")
+    size = r0["logical_bytes"] / r0["files"] / 1e6
+    print(f"cold read of one {size:.1f} MB file, p50 ms: " +
+          "  ".join(f"{t} {v:.1f}" for t, v in summary["cold_read_ms_p50"].items()))
+    return {"benchmark": "l4", "store": args.store, "threads": THREADS, "rounds": rounds, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--files", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--data", type=Path, default=REPO / "tests" / "data" / "kv")
+    p.add_argument("--store", choices=["memstore", "bluestore"], default="memstore")
+    p.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_l4.json")
+    args = p.parse_args(argv)
+    files = kv_files(args.data, args.files)
+    with tempfile.TemporaryDirectory(prefix="kvfs-bench-l4-") as tmp:
+        base = Path(tmp)
+        cluster = CephCluster(base / "ceph", store=args.store, port=7490, mon_ports=(3310, 6799))  # beside a test cluster
+        cluster.start()
+        try:
+            import boto3
+            from botocore.config import Config
+
+            env = cluster.env
+            s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
+                              config=Config(s3={"addressing_style": "path"}, max_pool_connections=16))
+            rounds = []
+            for r in range(args.rounds):
+                rounds.append(one_round(r, files, cluster, base, s3))
+                print(f"round {r}: demotion {rounds[-1]['demotion_vs_put']:.2f}x raw PUT, "
+                      f"promotion {rounds[-1]['promotion_vs_get']:.2f}x raw GET", flush=True)
+        finally:
+            cluster.stop()
+    doc = report(rounds, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
