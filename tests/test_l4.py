@@ -216,3 +216,29 @@ def test_l4_toml_options(tmp_path):
     toml.write_text('[l4]\nurl = "/some/dir"\npath_style = true\n')
     with pytest.raises(cfg.ConfigError, match="S3 options"):
         cfg.build_config("/mnt/x", config_file=toml)
+
+
+def test_store_down_reads_fail_fast_and_recover(make_mount, ceph):
+    """RGW stopped: reading a file that lives only in L4 answers EIO within the deadline (timeouts and
+    retries bounded), the mount stays up and local files still read; RGW back: the same file reads right."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never")
+    files = {f"f{i}.kv": sample_bytes(i + 80) for i in range(10)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    settle(m)
+    remote = next(name for name in files if tier_of(m.path(name)) == "L4")
+    local = next(name for name in files if tier_of(m.path(name)) == "L2")
+    ceph.stop_rgw()
+    try:
+        t = time.monotonic()
+        with pytest.raises(OSError) as e:
+            m.path(remote).read_bytes()
+        assert e.value.errno == errno.EIO
+        assert time.monotonic() - t < 15
+        assert m.path(local).read_bytes() == files[local]
+        assert m.alive()
+        assert m.stats()["tiers"]["L4"]["failures"] >= 1
+    finally:
+        ceph.start_rgw()
+    assert m.path(remote).read_bytes() == files[remote]
