@@ -153,7 +153,8 @@ def stat_cmd(mountpoint, as_json):
         tiers.add_column(col, justify="left" if col in ("tier", "path") else "right")
     for name, t in doc["tiers"].items():
         pct = 100 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0
-        tiers.add_row(name, t["path"], _human(t["used_bytes"]), _human(t["capacity_bytes"]), f"{pct:.1f}",
+        capacity = "unlimited" if t["capacity_bytes"] >= 1 << 60 else _human(t["capacity_bytes"])
+        tiers.add_row(name, t["path"], _human(t["used_bytes"]), capacity, f"{pct:.1f}",
                       str(t["files"]), _human(t["logical_bytes"]),
                       "-" if t["compression_ratio"] is None else f"{t['compression_ratio']:.3f}",
                       str(t["hits"]), _moved(t["demoted_files"], t["demoted_bytes"]),
@@ -163,7 +164,10 @@ def stat_cmd(mountpoint, as_json):
                      f"draining {', '.join(mover['draining']) or 'nothing'}, backlog {_human(mover['backlog_bytes'])}, "
                      f"{mover['promotions_queued']} promotions queued, {doc['writer_waits']} writer waits "
                      f"({doc['writer_wait_s']:.1f} s), {doc['move_failures']} failed moves"
-                     + (f"; QAT: {doc['qat']['mode']}" if doc.get("qat", {}).get("mode") != "not loaded" else ""))
+                     + (f"; QAT: {doc['qat']['mode']}" if doc.get("qat", {}).get("mode") != "not loaded" else "")
+                     + "".join(f"; {name} {t['endpoint']}: " + ", ".join(f"{n} {k}" for k, n in t["requests"].items())
+                               + f", {_human(t['bytes_uploaded'])} up, {_human(t['bytes_downloaded'])} down, "
+                               f"{t['failures']} failures" for name, t in doc["tiers"].items() if "requests" in t))
     counters = Table(show_header=False, title="counters")
     for key in ("bytes_written", "bytes_read", "direct_reads", "direct_bytes", "commits", "commit_failures",
                 "checksum_failures", "errors", "open_files", "dirty_bytes", "compression_ratio"):
