@@ -52,6 +52,7 @@ IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT)  # set/remove succeed and change noth
 SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 
 # errnos that are answers, not daemon faults: passed through without a traceback
+READ_THROUGH_MAX = 64 << 20  # stored bytes; larger files from a remote tier are read frame by frame first
 EXPECTED_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
@@ -377,11 +378,19 @@ class Operations(pyfuse3.Operations):
         self.index.note_access(h.ino)  # before the read: a promotion it starts must see the file as recent
         if not h.read_seen and h.state.ref is not None:
             h.read_seen = True
-            self.mover.note_read(h.ino, h.state.ref.tier)
+            ref = h.state.ref
+            if self.mover.note_read(h.ino, ref.tier) and self._read_through(ref):
+                await self.mover.promote_now(h.ino)  # the state is relocated: the read below hits L2
         data = await h.state.read(off, size)
         self.counters.read_requests += 1
         self.counters.bytes_read += len(data)
         return data
+
+    def _read_through(self, ref) -> bool:
+        """Promote before reading: for a file in a remote tier (no local path), small enough that one GET of
+        the whole object costs less than fetching its frames one ranged GET at a time and then again."""
+        tier = self.store.tiers[ref.tier]
+        return tier.local_path(ref.object_id) is None and ref.stored_bytes <= READ_THROUGH_MAX
 
     @_guard
     async def write(self, fh, off, buf):

@@ -63,6 +63,8 @@ class Mover:
         self._promotions: dict[int, None] = {}  # queued, in order
         self._draining: set[str] = set()
         self._moving = 0  # moves past their checks, not yet finished
+        self._deleting = 0  # sources of finished moves being deleted in the background (remote tiers)
+        self._background: trio.Nursery | None = None
         self._warned_at = -1e9
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
@@ -71,7 +73,15 @@ class Mover:
 
     # -- the background task ---------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        async with trio.open_nursery() as background:
+            self._background = background
+            try:
+                task_status.started()
+                await self._passes()
+            finally:
+                self._background = None
+
+    async def _passes(self) -> None:
         self.wake()  # the first pass at once: a restart with smaller capacities has work waiting
         while True:
             with trio.move_on_after(TICK_S):
@@ -104,6 +114,7 @@ class Mover:
             "backlog_bytes": backlog,
             "promotions_queued": len(self._promotions),
             "moves_in_flight": self._moving,
+            "deletions_in_flight": self._deleting,
         }
 
     # -- placement of new objects (Store.place) ------------------------------------------------------------
@@ -226,8 +237,30 @@ class Mover:
         if state is not None:
             state.relocated(new_ref)
         self._count_move(ref, dest)
-        await self.store.delete(ref)
+        await self._delete_source(ref)
         return True
+
+    async def _delete_source(self, ref: ObjectRef) -> None:
+        """The moved object's old copy. A remote store's DELETE costs as much as the copy itself (measured on
+        RGW): it runs in the background, off the path of a reader waiting for its promotion. Its space is
+        released at once; a copy whose deletion fails is an orphan the next start-up reconcile removes."""
+        source = self.store.tiers[ref.tier]
+        if self._background is None or source.local_path(ref.object_id) is not None:
+            await self.store.delete(ref)
+            return
+        self.store.release(ref.tier, ref.stored_bytes)
+        self._deleting += 1
+        self._background.start_soon(self._delete_object, source, ref)
+
+    async def _delete_object(self, source: Tier, ref: ObjectRef) -> None:
+        try:
+            await self.store.io(source.name, source.delete, ref.object_id)
+        except Exception as e:  # a background task must not end the daemon: the object is an orphan now
+            self.counters.move_failures += 1
+            log.warning("deleting the moved object %s from %s failed: %s (reconcile removes it at the next "
+                        "start)", ref.object_id, source.name, e)
+        finally:
+            self._deleting -= 1
 
     def _count_move(self, ref: ObjectRef, dest: Tier) -> None:
         source = self.store.tiers[ref.tier]
@@ -260,29 +293,54 @@ class Mover:
         return True
 
     # -- reads and promotion -----------------------------------------------------------------------------
-    def note_read(self, ino: int, tier_name: str) -> None:
-        """A file was read (once per open handle) from `tier_name`: count the hit, maybe queue a promotion."""
+    def note_read(self, ino: int, tier_name: str) -> bool:
+        """A file was read (once per open handle) from `tier_name`: count the hit, maybe queue a promotion.
+        True when the file is due for promotion."""
         self.counters.tier(tier_name).hits += 1
         if tier_name == self.order[0].name or not self.promotion.after_reads:
-            return
+            return False
         reads = self._reads[ino] = self._reads.get(ino, 0) + 1
-        if reads >= self.promotion.after_reads and ino not in self._promotions:
+        if reads < self.promotion.after_reads:
+            return False
+        if ino not in self._promotions:
             self._promotions[ino] = None
             self.wake()
+        return True
+
+    async def promote_now(self, ino: int) -> bool:
+        """Promote a queued file in the caller's task (a read from a remote tier waits for one whole-object GET
+        and is then served from L2, instead of fetching frames by ranged GETs and the object again)."""
+        if self._promotions.pop(ino, False) is False:
+            return False  # not queued (any more): the mover has it, or it was never due
+        busy: list[int] = []
+        await self._promote_now(ino, self.order[0], busy)
+        if busy:
+            self._promotions.setdefault(ino, None)
+        return not busy
 
     async def _promote_queued(self) -> None:
         fastest = self.order[0]
         busy: list[int] = []
-        while self._promotions:
-            batch = list(self._promotions)[:MOVES_IN_FLIGHT]
-            async with trio.open_nursery() as nursery:
-                for ino in batch:
-                    del self._promotions[ino]
-                    nursery.start_soon(self._promote, ino, fastest, busy)
+        pipeline = trio.Semaphore(2 * MOVES_IN_FLIGHT)  # a pipeline, not batches: while some copy, others
+        async with trio.open_nursery() as nursery:  # finish (index switch, source delete) or start
+            while self._promotions:
+                await pipeline.acquire()
+                ino = next(iter(self._promotions), None)
+                if ino is None:
+                    pipeline.release()
+                    break
+                del self._promotions[ino]
+                nursery.start_soon(self._promote, ino, fastest, busy, pipeline)
         for ino in busy:  # a flush or commit held the file: try again at the next pass, not now
             self._promotions.setdefault(ino, None)
 
-    async def _promote(self, ino: int, fastest: Tier, busy: list[int]) -> None:
+    async def _promote(self, ino: int, fastest: Tier, busy: list[int], pipeline: trio.Semaphore) -> None:
+        try:
+            await self._promote_now(ino, fastest, busy)
+        finally:
+            pipeline.release()
+
+    async def _promote_now(self, ino: int, fastest: Tier, busy: list[int]) -> None:
         async with self.locks.holding(ino, wait=False) as held:
             if not held:
                 busy.append(ino)

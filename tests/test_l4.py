@@ -40,12 +40,13 @@ def l4_keys(cluster, prefix: str) -> dict[str, int]:
 
 
 def settle(m: KvfsMount, timeout: float = 30.0) -> dict:
-    """Stats once the mover is idle: no moves in flight, no backlog, no promotions queued."""
+    """Stats once the mover is idle: no moves or deletions in flight, no backlog, no promotions queued."""
     deadline = time.monotonic() + timeout
     while True:
         st = m.stats()
         mover = st["mover"]
-        if not (mover["moves_in_flight"] or mover["backlog_bytes"] or mover["promotions_queued"]):
+        if not (mover["moves_in_flight"] or mover["backlog_bytes"] or mover["promotions_queued"]
+                or mover["deletions_in_flight"]):
             return st
         assert time.monotonic() < deadline, mover
         time.sleep(0.1)

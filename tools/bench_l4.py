@@ -165,7 +165,8 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # readers of one byte, THREADS at a time:
         list(pool.map(first_byte, (m.mountpoint / n for n in names)))  # each read queues its file's promotion
-    t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == len(files) and not s["mover"]["moves_in_flight"])
+    t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == len(files) and not s["mover"]["moves_in_flight"]
+                            and not s["mover"]["deletions_in_flight"])
     promote_s = t_done - t0
     for name, data in zip(names, files):
         read_checked(m.mountpoint / name, data)
