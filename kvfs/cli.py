@@ -167,7 +167,8 @@ def stat_cmd(mountpoint, as_json):
                      + (f"; QAT: {doc['qat']['mode']}" if doc.get("qat", {}).get("mode") != "not loaded" else "")
                      + "".join(f"; {name} {t['endpoint']}: " + ", ".join(f"{n} {k}" for k, n in t["requests"].items())
                                + f", {_human(t['bytes_uploaded'])} up, {_human(t['bytes_downloaded'])} down, "
-                               f"{t['failures']} failures" for name, t in doc["tiers"].items() if "requests" in t))
+                               f"{t['failures']} failures, circuit {t['breaker']}"
+                               for name, t in doc["tiers"].items() if "requests" in t))
     counters = Table(show_header=False, title="counters")
     for key in ("bytes_written", "bytes_read", "direct_reads", "direct_bytes", "commits", "commit_failures",
                 "checksum_failures", "errors", "open_files", "dirty_bytes", "compression_ratio"):

@@ -91,6 +91,9 @@ class Mover:
                 await self._promote_queued()
                 for tier in self.order:
                     high, low = self.watermarks[tier.name]
+                    nxt = self._next_tier(tier)
+                    if nxt is not None and not nxt.available():
+                        continue  # demotion pauses while the next tier is down: this one keeps files while it has room
                     if tier.used_bytes > high * tier.capacity:
                         await self._drain(tier, int(low * tier.capacity))
             except Exception:
@@ -120,8 +123,8 @@ class Mover:
     # -- placement of new objects (Store.place) ------------------------------------------------------------
     async def place(self, size: int, replacing: ObjectRef | None, durable: bool) -> Tier:
         for tier in self.store.candidates(durable):
-            if size > tier.capacity:
-                continue  # can never fit: straight to the next tier
+            if size > tier.capacity or not tier.available():
+                continue  # can never fit, or down: straight to the next tier
             if await self._reserve(tier, size, credit_for(tier, replacing), waiting_writer=True):
                 return tier
         raise OSError(errno.ENOSPC, f"no tier has room for an object of {size} bytes")
@@ -150,16 +153,16 @@ class Mover:
         async with self._room[tier.name]:
             if self.store.fits(tier, need):
                 return True  # another agent made room meanwhile
-            freed = await self._drain(tier, tier.capacity - need, locked=True)
+            freed = await self._drain(tier, tier.capacity - need, locked=True, forced=True)
             return freed > 0 or self.store.fits(tier, need)
 
     # -- draining a tier -------------------------------------------------------------------------------
-    async def _drain(self, tier: Tier, target_used: int, locked: bool = False) -> int:
+    async def _drain(self, tier: Tier, target_used: int, locked: bool = False, forced: bool = False) -> int:
         """Move least recently used files out of `tier` until it uses at most `target_used` bytes. Returns the
-        bytes freed."""
+        bytes freed. `forced` (a writer needs the room): while the next tier is down, evict instead."""
         if not locked:
             async with self._room[tier.name]:
-                return await self._drain(tier, target_used, locked=True)
+                return await self._drain(tier, target_used, locked=True, forced=forced)
         self._draining.add(tier.name)
         start = tier.used_bytes
         tried: set[int] = set()
@@ -175,7 +178,7 @@ class Mover:
                             break
                         tried.add(row["id"])
                         planned += row["stored_bytes"]
-                        nursery.start_soon(self._push_out, tier, row["id"])
+                        nursery.start_soon(self._push_out, tier, row["id"], forced)
         finally:
             self._draining.discard(tier.name)
         return max(0, start - tier.used_bytes)
@@ -184,12 +187,15 @@ class Mover:
         i = self.order.index(tier)
         return self.order[i + 1] if i + 1 < len(self.order) else None
 
-    async def _push_out(self, tier: Tier, ino: int) -> None:
+    async def _push_out(self, tier: Tier, ino: int, forced: bool = False) -> None:
         dest = self._next_tier(tier)
         if dest is None:
             await self.evict(ino, tier)
-        else:
+        elif dest.available():
             await self.move(ino, dest)
+        elif forced:  # the next tier is down and a writer needs room here: the file becomes a miss
+            if await self.evict(ino, tier):
+                self.counters.tier(tier.name).evicted_next_down_files += 1
 
     # -- moves -----------------------------------------------------------------------------------------
     async def move(self, ino: int, dest: Tier, *, wait: bool = False) -> bool:

@@ -17,6 +17,7 @@ class TierCounters:
     promoted_bytes: int = 0
     evicted_files: int = 0  # dropped from this tier, the last one: they became misses
     evicted_bytes: int = 0
+    evicted_next_down_files: int = 0  # of those, evicted because the next tier was down (no demotion possible)
 
 
 @dataclasses.dataclass

@@ -63,8 +63,19 @@ class Store:
     async def cpu(self, fn: Callable[..., T], *args) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.codec_limiter)
 
-    async def io(self, tier: str, fn: Callable[..., T], *args) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiters[tier])
+    async def io(self, tier: str, fn: Callable[..., T], *args, size: int = 0) -> T:
+        """Run a tier call in a worker thread. A remote tier's call fails at once while the tier is down, and
+        with EIO at its deadline (the thread is abandoned; it keeps its limiter slot until it returns, so a
+        hung store cannot pile up threads)."""
+        t = self.tiers[tier]
+        deadline = t.deadline_for(size)
+        if deadline is None:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiters[tier])
+        t.admit()
+        with trio.move_on_after(deadline):
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiters[tier], abandon_on_cancel=True)
+        t.note_timeout(getattr(fn, "__name__", "call"))
+        raise OSError(errno.EIO, f"{tier} did not answer within {deadline:.0f} s")
 
     @staticmethod
     def fits(tier: Tier, size: int, credit: int = 0) -> bool:
@@ -99,7 +110,7 @@ class Store:
         tier = await self.place(size, replacing, durable)
         oid = object_id(ino, gen)
         try:
-            await self.io(tier.name, tier.put, oid, parts, durable or tier.persistent)
+            await self.io(tier.name, tier.put, oid, parts, durable or tier.persistent, size=size)
         except BaseException:
             self.release(tier.name, size)
             with trio.CancelScope(shield=True):
@@ -114,7 +125,7 @@ class Store:
         slower = max(source, dest, key=self.order.index)  # the copy waits on the slower tier's I/O
         try:
             size = await self.io(slower.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
-                                 dest.persistent)
+                                 dest.persistent, size=ref.stored_bytes)
             if size != ref.stored_bytes:
                 raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
                                         f"the index says {ref.stored_bytes}")

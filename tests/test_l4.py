@@ -219,27 +219,90 @@ def test_l4_toml_options(tmp_path):
         cfg.build_config("/mnt/x", config_file=toml)
 
 
-def test_store_down_reads_fail_fast_and_recover(make_mount, ceph):
-    """RGW stopped: reading a file that lives only in L4 answers EIO within the deadline (timeouts and
-    retries bounded), the mount stays up and local files still read; RGW back: the same file reads right."""
+def test_store_down_fails_fast_writes_go_on_and_it_recovers(make_mount, ceph, tmp_path):
+    """RGW stopped: reading a file that lives only in L4 answers EIO within the deadline; after a few failures
+    the circuit opens and such reads fail at once. Local files still read, and writes go on: with L4 down, L3
+    keeps its files until a writer needs room, then evicts (counted apart). RGW back: a probe closes the
+    circuit, the L4 file reads right and demotion resumes."""
     prefix = f"t-{uuid.uuid4().hex[:8]}"
-    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never")
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text("[l4]\nbreaker_failures = 2\nprobe_s = 1\n")
+    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never", "--config", str(toml))
     files = {f"f{i}.kv": sample_bytes(i + 80) for i in range(10)}
     for name, data in files.items():
         write(m.path(name), data)
     settle(m)
-    remote = next(name for name in files if tier_of(m.path(name)) == "L4")
+    remote = [name for name in files if tier_of(m.path(name)) == "L4"]
     local = next(name for name in files if tier_of(m.path(name)) == "L2")
+    demoted = m.stats()["tiers"]["L3"]["demoted_files"]
     ceph.stop_rgw()
+    try:
+        for name in remote[:2]:
+            t = time.monotonic()
+            with pytest.raises(OSError) as e:
+                m.path(name).read_bytes()
+            assert e.value.errno == errno.EIO
+            assert time.monotonic() - t < 15
+        st = m.stats()["tiers"]["L4"]
+        assert st["breaker"] == "open" and st["failures"] >= 2, st
+        t = time.monotonic()
+        with pytest.raises(OSError):
+            m.path(remote[-1]).read_bytes()
+        assert time.monotonic() - t < 0.5  # fails fast: no network call while the circuit is open
+        assert m.path(local).read_bytes() == files[local]
+        more = {f"g{i}.kv": sample_bytes(i + 100) for i in range(6)}
+        for name, data in more.items():  # L2 and L3 are full: L3 must evict, L4 cannot take anything
+            write(m.path(name), data)
+        assert m.path("g5.kv").read_bytes() == more["g5.kv"]
+        st = m.stats()["tiers"]
+        assert st["L3"]["evicted_next_down_files"] >= 1 and st["L3"]["demoted_files"] == demoted
+        assert m.alive()
+    finally:
+        ceph.start_rgw()
+    back = next(name for name in remote if m.path(name).exists())
+    deadline = time.monotonic() + 20
+    while True:  # the first calls after the restart are probes; the one that succeeds closes the circuit
+        try:
+            assert m.path(back).read_bytes() == files[back]
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert m.stats()["tiers"]["L4"]["breaker"] == "closed"
+    more2 = {f"h{i}.kv": sample_bytes(i + 120) for i in range(4)}
+    for name, data in more2.items():
+        write(m.path(name), data)
+    settle(m)
+    assert m.stats()["tiers"]["L3"]["demoted_files"] > demoted  # demotion resumed
+
+
+def test_hung_store_answers_eio_at_the_deadline(make_mount, ceph, tmp_path):
+    """RGW frozen (it accepts connections and never answers): a read of an L4 file gets EIO at the deadline,
+    not after botocore's timeouts and retries; the store unfrozen, the file reads right."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text("[l4]\ndeadline_s = 2\ntimeout_s = 30\nprobe_s = 1\n")
+    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never", "--config", str(toml))
+    files = {f"f{i}.kv": sample_bytes(i + 140) for i in range(10)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    settle(m)
+    remote = next(name for name in files if tier_of(m.path(name)) == "L4")
+    ceph.pause_rgw()
     try:
         t = time.monotonic()
         with pytest.raises(OSError) as e:
             m.path(remote).read_bytes()
-        assert e.value.errno == errno.EIO
-        assert time.monotonic() - t < 15
-        assert m.path(local).read_bytes() == files[local]
-        assert m.alive()
-        assert m.stats()["tiers"]["L4"]["failures"] >= 1
+        elapsed = time.monotonic() - t
+        assert e.value.errno == errno.EIO and 1.5 < elapsed < 6, elapsed
+        assert m.stats()["tiers"]["L4"]["timeouts"] >= 1
     finally:
-        ceph.start_rgw()
-    assert m.path(remote).read_bytes() == files[remote]
+        ceph.resume_rgw()
+    deadline = time.monotonic() + 40
+    while True:
+        try:
+            assert m.path(remote).read_bytes() == files[remote]
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)

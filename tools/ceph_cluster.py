@@ -107,6 +107,13 @@ class CephCluster:
         _kill(pidfile, signal.SIGKILL)
         _wait_dead(pidfile)
 
+    def pause_rgw(self) -> None:
+        """A hung store: RGW stopped (SIGSTOP) keeps its port; connections are accepted and never answered."""
+        _kill(self.root / "run" / "client.rgw.a.pid", signal.SIGSTOP)
+
+    def resume_rgw(self) -> None:
+        _kill(self.root / "run" / "client.rgw.a.pid", signal.SIGCONT)
+
     def start_rgw(self, timeout: float = 60.0) -> None:
         self._tool("radosgw", "-n", "client.rgw.a")
         self._wait(self._rgw_answers, time.monotonic() + timeout, "RGW answering")

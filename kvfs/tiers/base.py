@@ -28,6 +28,22 @@ class Tier(abc.ABC):
         self.used_bytes = 0
         self.files = 0
 
+    deadline_s: float | None = None  # remote tiers: the longest one call may take, retries included
+
+    def admit(self) -> None:
+        """Raise (OSError EIO) at once when the tier is known to be down; local tiers never are."""
+
+    def available(self) -> bool:
+        """False while the tier is known to be down (moves to it pause)."""
+        return True
+
+    def note_timeout(self, what: str) -> None:
+        """A call was abandoned at its deadline (a hung store): counts as a failure."""
+
+    def deadline_for(self, size: int) -> float | None:
+        """The deadline of a call moving `size` bytes: the base, plus time at a floor rate of 8 MB/s."""
+        return None if self.deadline_s is None else self.deadline_s + size / (8 << 20)
+
     def describe(self) -> str:
         """Where the tier keeps its objects, for logs and stats (never credentials)."""
         return self.name

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 
 from .. import format as fmt
 from .base import ObjectInfo, Tier
+from .breaker import Breaker
 from .directory import hash_shard
 
 OBJECTS = "objects"
@@ -43,6 +44,9 @@ class S3Location:
     secret_access_key: str | None = dataclasses.field(default=None, repr=False)
     timeout_s: float = 10.0  # per attempt: connecting and each read of the answer
     attempts: int = 3
+    deadline_s: float = 15.0  # per call, retries included (+ time for its bytes at 8 MB/s); EIO past it
+    breaker_failures: int = 3  # failures in a row that mark the store down (calls fail fast) …
+    probe_s: float = 5.0  # … until a probe, one call this often, succeeds
     multipart_threshold: int = 16 << 20
     part_size: int = 8 << 20
 
@@ -79,9 +83,24 @@ class S3Tier(Tier):
         self.bytes_in = 0  # downloaded
         self.bytes_out = 0  # uploaded
         self.failures = 0
+        self.timeouts = 0
+        self.deadline_s = location.deadline_s
+        self.breaker = Breaker(f"L4 {location.url}", location.breaker_failures, location.probe_s)
 
     def describe(self) -> str:
         return self.location.url
+
+    def admit(self) -> None:
+        self.breaker.admit()
+
+    def available(self) -> bool:
+        return self.breaker.available()
+
+    def note_timeout(self, what: str) -> None:
+        with self._lock:
+            self.timeouts += 1
+            self.failures += 1
+        self.breaker.failure(f"no answer within the deadline ({what})")
 
     # -- checks ------------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -131,6 +150,7 @@ class S3Tier(Tier):
             data = answer["Body"].read()
         except Exception as e:  # noqa: BLE001 - sorted below
             if _code(e) == "InvalidRange":
+                self._count("get")
                 return b""  # past the end: the object is shorter, as a short local read says
             raise self._failure("get", object_id, e) from None
         self._count("get", into=len(data))
@@ -182,9 +202,10 @@ class S3Tier(Tier):
 
     def stats(self) -> dict:
         with self._lock:
-            return {"endpoint": self.client.meta.endpoint_url,
-                    "requests": dict(self.requests), "bytes_downloaded": self.bytes_in,
-                    "bytes_uploaded": self.bytes_out, "failures": self.failures}
+            doc = {"endpoint": self.client.meta.endpoint_url, "requests": dict(self.requests),
+                   "bytes_downloaded": self.bytes_in, "bytes_uploaded": self.bytes_out, "failures": self.failures,
+                   "timeouts": self.timeouts}
+        return {**doc, **self.breaker.stats()}
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
@@ -211,15 +232,18 @@ class S3Tier(Tier):
                 self.requests[kind] += 1
             self.bytes_in += into
             self.bytes_out += out
+        if kind:
+            self.breaker.success()
 
     def _failure(self, kind: str, what: str, e: Exception) -> OSError:
         if _code(e) in ("NoSuchKey", "404", "NotFound"):
-            with self._lock:
-                self.requests[kind] += 1
+            self._count(kind)  # the store answered
             return FileNotFoundError(errno.ENOENT, f"{self.location.url}: no object {what}")
         with self._lock:
             self.failures += 1
-        return S3Unavailable(f"L4 {kind} {what}", e)
+        error = S3Unavailable(f"L4 {kind} {what}", e)
+        self.breaker.failure(_describe(e))
+        return error
 
 
 class _Multipart:
