@@ -720,7 +720,10 @@ class Operations(pyfuse3.Operations):
                     self.counters.checksum_failures += 1
                     log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
                               ", ".join(repr(n) for _, n in names), err.reason)
+                    ref = ObjectRef.of_row(self.index.get(err.ino))
                     self.index.drop_file(err.ino)
+                    if ref is not None:
+                        await self._quarantine(ref)
                     # a worker thread keeps the trio loop serving requests the kernel may need meanwhile
                     for parent, name in names:
                         await trio.to_thread.run_sync(_invalidate_entry, parent, name, err.ino,
@@ -730,6 +733,15 @@ class Operations(pyfuse3.Operations):
                     done.set()
         except Exception:
             log.exception("dropping corrupt inode %d failed", err.ino)
+
+    async def _quarantine(self, ref: ObjectRef) -> None:
+        try:
+            where = await self.store.quarantine(ref)
+        except OSError as e:
+            log.warning("could not quarantine the corrupt object %s in %s: %s", ref.object_id, ref.tier, e)
+            return
+        if where:
+            log.warning("corrupt object %s kept aside as %s", ref.object_id, where)
 
     def drop_evicted(self, ino: int) -> list[tuple[int, bytes]]:
         """The mover evicts a file: its names and its object reference go from the index. Returns the names,

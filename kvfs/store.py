@@ -135,6 +135,10 @@ class Store:
             raise
         return ObjectRef(ref.ino, ref.gen, dest.name, size)
 
+    async def quarantine(self, ref: ObjectRef) -> str | None:
+        tier = self.tiers[ref.tier]
+        return await self.io(ref.tier, tier.quarantine, ref.object_id, size=ref.stored_bytes)
+
     async def delete(self, ref: ObjectRef) -> None:
         self.release(ref.tier, ref.stored_bytes)
         tier = self.tiers[ref.tier]

@@ -138,7 +138,8 @@ def test_multipart_upload_and_ranged_reads(make_mount, ceph, tmp_path):
 
 
 def test_corrupt_l4_object_is_an_error_not_data(make_mount, ceph):
-    """An object changed in the bucket fails its checksum: EIO, the file is dropped, never wrong bytes."""
+    """An object changed in the bucket fails its checksum: EIO, the file is dropped, never wrong bytes; the
+    object is kept aside under quarantine/, where no restart adopts it."""
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never")
     files = {f"f{i}.kv": sample_bytes(i + 40) for i in range(10)}
@@ -156,7 +157,17 @@ def test_corrupt_l4_object_is_an_error_not_data(make_mount, ceph):
     with pytest.raises(OSError) as e:
         m.path(victim).read_bytes()
     assert e.value.errno == errno.EIO
-    assert m.stats()["checksum_failures"] >= 1
+    st = m.stats()
+    assert st["checksum_failures"] >= 1 and st["tiers"]["L4"]["quarantined"] == 1
+    assert not m.path(victim).exists()
+    quarantined = [k for k in l4_keys(ceph, prefix) if k.startswith(f"{prefix}/quarantine/")]
+    assert len(quarantined) == 1
+    assert s3.get_object(Bucket="kvfs-test", Key=quarantined[0])["Body"].read() == bytes(body)
+    assert m.stop() == 0  # a restart does not adopt the quarantined object
+    start_with_l4(m, ceph, prefix, "--promote", "never")
+    assert not m.path(victim).exists()
+    assert [k for k in l4_keys(ceph, prefix) if k.startswith(f"{prefix}/quarantine/")] == quarantined
+    assert m.stats()["tiers"]["L4"]["files"] == len([k for k in l4_keys(ceph, prefix) if "/objects/" in k])
 
 
 def test_unreachable_endpoint_at_mount_is_a_clear_error(tmp_path, ceph):

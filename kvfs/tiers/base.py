@@ -44,6 +44,11 @@ class Tier(abc.ABC):
         """The deadline of a call moving `size` bytes: the base, plus time at a floor rate of 8 MB/s."""
         return None if self.deadline_s is None else self.deadline_s + size / (8 << 20)
 
+    def quarantine(self, object_id: str) -> str | None:
+        """Keep a copy of a corrupt object aside, where no lookup or scan adopts it, for whoever investigates;
+        returns where, or None (local tiers: the object is simply deleted with its file)."""
+        return None
+
     def describe(self) -> str:
         """Where the tier keeps its objects, for logs and stats (never credentials)."""
         return self.name

@@ -27,6 +27,7 @@ from .breaker import Breaker
 from .directory import hash_shard
 
 OBJECTS = "objects"
+QUARANTINE = "quarantine"
 META_PREFIX = "kvfs-"
 
 
@@ -84,6 +85,7 @@ class S3Tier(Tier):
         self.bytes_out = 0  # uploaded
         self.failures = 0
         self.timeouts = 0
+        self.quarantined = 0
         self.deadline_s = location.deadline_s
         self.breaker = Breaker(f"L4 {location.url}", location.breaker_failures, location.probe_s)
 
@@ -200,11 +202,22 @@ class S3Tier(Tier):
                 removed += 1
         return removed
 
+    def quarantine(self, object_id: str) -> str:
+        """Server-side copy of a corrupt object under <prefix>/quarantine/ (outside objects/: never scanned or
+        adopted again); the original goes with its file, as any object does."""
+        root = f"{self.location.prefix}/{QUARANTINE}" if self.location.prefix else QUARANTINE
+        key = f"{root}/{object_id}"
+        self._call("put", self.client.copy_object, Bucket=self.location.bucket, Key=key,
+                   CopySource={"Bucket": self.location.bucket, "Key": self._key(object_id)})
+        with self._lock:
+            self.quarantined += 1
+        return f"s3://{self.location.bucket}/{key}"
+
     def stats(self) -> dict:
         with self._lock:
             doc = {"endpoint": self.client.meta.endpoint_url, "requests": dict(self.requests),
                    "bytes_downloaded": self.bytes_in, "bytes_uploaded": self.bytes_out, "failures": self.failures,
-                   "timeouts": self.timeouts}
+                   "timeouts": self.timeouts, "quarantined": self.quarantined}
         return {**doc, **self.breaker.stats()}
 
     # -- helpers -----------------------------------------------------------------------------------------
