@@ -137,7 +137,7 @@ class CephCluster:
     def _conf_text(self, fsid: str) -> str:
         r = self.root
         store = {"memstore": "osd_objectstore = memstore\nmemstore_device_bytes = 2147483648\n",
-                 "bluestore": ("osd_objectstore = bluestore\nbluestore_block_path = $osd_data/block\n"
+                 "bluestore": (f"osd_objectstore = bluestore\nbluestore_block_path = {r}/osd/$cluster-$id.block\n"
                                "bluestore_block_create = true\nbluestore_block_size = 4294967296\n"
                                "bluestore_cache_size = 268435456\n")}[self.store]
         return f"""[global]
@@ -167,6 +167,8 @@ mon_data_avail_warn = 5
 mon_data_avail_crit = 1
 mon_warn_on_pool_no_redundancy = false
 osd_heartbeat_grace = 6
+osd_heartbeat_interval = 1
+mon_osd_min_down_reporters = 1
 mon_osd_down_out_interval = 0
 {store}
 [client.rgw.a]
