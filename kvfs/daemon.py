@@ -26,6 +26,7 @@ from .index import Index
 from .locks import InodeLocks
 from .mover import Mover
 from .reconcile import reconcile
+from .shared import SharedNamespace
 from .stats import Counters
 from .store import Store
 from .tiers import DirectoryTier, S3Tier, S3Unavailable, Tier
@@ -107,6 +108,9 @@ def run(config: Config) -> int:
     store.place = mover.place
     ops = Operations(config, index, store, mover, locks, counters)
     ops.qat = qat_codec
+    shared = [t for t in tiers if t.shared]
+    if shared:
+        ops.shared = SharedNamespace(index, store, shared[0])
 
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}

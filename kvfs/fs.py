@@ -121,6 +121,7 @@ class Operations(pyfuse3.Operations):
         self._dropping: dict[int, trio.Event] = {}  # corrupt inodes being dropped
         self.started = time.monotonic()
         self.qat = None  # the QATzip codec when loaded (its mode is shown in the stats)
+        self.shared = None  # kvfs.shared.SharedNamespace when L4 is a shared prefix
 
     def open_files_get(self, ino: int) -> OpenFile | None:
         return self.open_files.get(ino)
@@ -204,6 +205,8 @@ class Operations(pyfuse3.Operations):
         if name == b"..":
             return self._entry(self.index.parent_of(parent_inode) or ROOT_INODE)
         ino = self.index.lookup(parent_inode, name)
+        if ino is None and self.shared is not None:
+            ino = await self.shared.lookup(parent_inode, name)
         if ino is None:
             raise _err(errno.ENOENT)
         return self._entry(ino)
@@ -226,8 +229,11 @@ class Operations(pyfuse3.Operations):
         if row is None or row["nlink"] > 0:
             return
         self.index.delete_inode(ino)
-        if row["obj_gen"]:
-            await self.store.delete(ObjectRef.of_row(row))
+        ref = ObjectRef.of_row(row)
+        if ref is not None and ref.key is not None:
+            self.store.release(ref.tier, ref.stored_bytes)  # published: unlink decided about the shared object
+        elif ref is not None:
+            await self.store.delete(ref)
 
     @_guard
     async def getattr(self, inode, ctx=None):
@@ -246,6 +252,8 @@ class Operations(pyfuse3.Operations):
                 raise _err(errno.EISDIR)
             if not stat.S_ISREG(row["mode"]):
                 raise _err(errno.EINVAL)
+            if row["published_key"]:
+                raise _err(errno.EPERM)
             await self._truncate(inode, row, attr.st_size, commit_now=fh is None)
         changes = {}
         if fields.update_mode:
@@ -347,6 +355,8 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.EISDIR)
         if row["nlink"] == 0 and inode not in self.open_files:
             raise _err(errno.ENOENT)  # evicted or dropped; the kernel's dentry was stale
+        if row["published_key"] and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
+            raise _err(errno.EPERM)  # published in the shared L4: immutable for every node
         state = self._acquire(inode, row)
         try:
             if flags & os.O_TRUNC and state.size:
@@ -478,8 +488,12 @@ class Operations(pyfuse3.Operations):
         ino = self.index.lookup(parent_inode, name)
         if ino is None:
             raise _err(errno.ENOENT)
-        if stat.S_ISDIR(self._row(ino)["mode"]):
+        row = self._row(ino)
+        if stat.S_ISDIR(row["mode"]):
             raise _err(errno.EISDIR)
+        if row["published_key"] and self.shared is not None:
+            tier = self.shared.tier  # the shared object goes only if it is still the one this node read
+            await self.store.io(tier.name, tier.delete_if, row["published_key"], row["published_etag"])
         self.index.remove_entry(parent_inode, name, ino, is_dir=False)
         await self._maybe_delete(ino)
 
@@ -507,6 +521,8 @@ class Operations(pyfuse3.Operations):
         if ino is None:
             raise _err(errno.ENOENT)
         target = self.index.lookup(parent_inode_new, name_new)
+        if self._row(ino)["published_key"] or (target is not None and self._row(target)["published_key"]):
+            raise _err(errno.EXDEV)  # a published name is the shared store's: copy and unlink instead
         if flags & pyfuse3.RENAME_EXCHANGE:
             if target is None:
                 raise _err(errno.ENOENT)
@@ -550,6 +566,8 @@ class Operations(pyfuse3.Operations):
         if fh == ROOT_INODE and start_id < 1:
             if not pyfuse3.readdir_reply(token, KVFS_DIR_NAME, self._virtual_attrs(KVFS_DIR_INODE), 1):
                 return
+        if start_id == 0 and self.shared is not None:
+            await self.shared.merge_dir(fh)  # names other mounts published here
         after = max(start_id - 1, 0)
         while True:
             rows = self.index.readdir(fh, after)

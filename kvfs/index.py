@@ -33,6 +33,9 @@ SCHEMA = """
 --     (An evicted file's doomed row — nlink 0 — is reset to obj_gen 0; it never gets another object.)
 -- I6  a move changes only obj_tier, and only if the row still names the object that was copied
 --     (same obj_gen and source tier): a commit, unlink or eviction racing with the copy wins.
+-- I7  published_key (a shared L4's 'files/<path>') marks a file published there: immutable, its object in
+--     the shared store under that key with ETag published_etag. While obj_tier is that L4 the key is the
+--     object's id (I3's '<ino hex>-<obj_gen>' names local copies only); a local copy may exist meanwhile.
 CREATE TABLE IF NOT EXISTS inodes (
     id             INTEGER PRIMARY KEY AUTOINCREMENT,
     mode           INTEGER NOT NULL,
@@ -52,7 +55,9 @@ CREATE TABLE IF NOT EXISTS inodes (
     transform      TEXT,
     last_access_ns INTEGER NOT NULL DEFAULT 0,
     pinned         INTEGER NOT NULL DEFAULT 0,   -- reserved: hot/cold API
-    idle_policy_s  INTEGER                       -- reserved: hot/cold API
+    idle_policy_s  INTEGER,                      -- reserved: hot/cold API
+    published_key  TEXT,                         -- I7
+    published_etag TEXT
 );
 CREATE TABLE IF NOT EXISTS entries (
     id     INTEGER PRIMARY KEY AUTOINCREMENT,    -- stable readdir cookie
@@ -102,9 +107,17 @@ class Index:
         self.db.execute("PRAGMA journal_size_limit=%d" % (64 << 20))
         self.db.execute("PRAGMA foreign_keys=OFF")
         self.db.executescript(SCHEMA)
+        self._migrate()
         self._sync_lock = threading.Lock()
         self._pending_access: dict[int, int] = {}
         self._ensure_root()
+
+    def _migrate(self) -> None:
+        """Columns added since the first schema (an older index gains them, empty)."""
+        have = {r[1] for r in self.db.execute("PRAGMA table_info(inodes)")}
+        for column in ("published_key", "published_etag"):
+            if column not in have:
+                self.db.execute(f"ALTER TABLE inodes ADD COLUMN {column} TEXT")
 
     # -- transactions -------------------------------------------------------------------------
     def transaction(self):
@@ -284,6 +297,40 @@ class Index:
                 "UPDATE inodes SET obj_gen = ?, obj_tier = ?, size = ?, stored_bytes = ?, codec = ?, "
                 "transform = ?, mtime_ns = ?, ctime_ns = ?, last_access_ns = ? WHERE id = ?",
                 (gen, tier, size, stored_bytes, codec, transform, mtime_ns, mtime_ns, time.time_ns(), ino))
+
+    def path_of(self, ino: int) -> list[bytes] | None:
+        """The names from the root to a file with exactly one name (hard links have no one path)."""
+        parts: list[bytes] = []
+        while ino != ROOT_INODE:
+            rows = self.db.execute("SELECT parent, name FROM entries WHERE inode = ?", (ino,)).fetchall()
+            if len(rows) != 1:
+                return None
+            parts.append(rows[0]["name"])
+            ino = rows[0]["parent"]
+        return parts[::-1]
+
+    def publish(self, ino: int, gen: int, source: str, dest: str, key: str, etag: str) -> bool:
+        """The switch after a file's first upload to a shared L4 (I6 and I7 in one transaction)."""
+        with self.transaction():
+            cur = self.db.execute(
+                "UPDATE inodes SET obj_tier = ?, published_key = ?, published_etag = ? "
+                "WHERE id = ? AND obj_gen = ? AND obj_tier = ?", (dest, key, etag, ino, gen, source))
+        return cur.rowcount == 1
+
+    def adopt_published(self, parent: int, name: bytes, *, mode: int, uid: int, gid: int, size: int,
+                        stored_bytes: int, tier: str, key: str, etag: str, mtime_ns: int) -> int:
+        """A file another node published, found in the shared L4: a row and a name pointing at it."""
+        now = time.time_ns()
+        with self.transaction():
+            cur = self.db.execute(
+                "INSERT INTO inodes (mode, uid, gid, nlink, size, atime_ns, mtime_ns, ctime_ns, obj_gen, obj_tier, "
+                "stored_bytes, last_access_ns, published_key, published_etag) "
+                "VALUES (?, ?, ?, 1, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)",
+                (mode, uid, gid, size, now, mtime_ns, mtime_ns, tier, stored_bytes, now, key, etag))
+            ino = cur.lastrowid
+            self.db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, ino))
+            self._touch_dir(parent, now)
+        return ino
 
     def move_object(self, ino: int, gen: int, source: str, dest: str) -> bool:
         """The switch of the move protocol (I6): False when the row no longer names that object."""

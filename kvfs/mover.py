@@ -65,6 +65,7 @@ class Mover:
         self._moving = 0  # moves past their checks, not yet finished
         self._deleting = 0  # sources of finished moves being deleted in the background (remote tiers)
         self._background: trio.Nursery | None = None
+        self._conflicts: set[int] = set()  # files a shared L4 will not take (name published by another node)
         self._warned_at = -1e9
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
@@ -190,9 +191,11 @@ class Mover:
     async def _push_out(self, tier: Tier, ino: int, forced: bool = False) -> None:
         dest = self._next_tier(tier)
         if dest is None:
-            await self.evict(ino, tier)
+            if not tier.shared:  # a shared store's capacity is kvfs gc's business, not one mount's
+                await self.evict(ino, tier)
         elif dest.available():
-            await self.move(ino, dest)
+            if not await self.move(ino, dest) and ino in self._conflicts and await self.evict(ino, tier):
+                self._conflicts.discard(ino)  # the name now resolves to what another node published
         elif forced:  # the next tier is down and a writer needs room here: the file becomes a miss
             if await self.evict(ino, tier):
                 self.counters.tier(tier.name).evicted_next_down_files += 1
@@ -214,6 +217,8 @@ class Mover:
         row = self.index.get(ino)
         if row is None or not row["obj_gen"] or row["obj_tier"] == dest.name or row["obj_tier"] not in self.store.tiers:
             return False
+        if dest.shared:
+            return await self._publish_locked(row, dest)
         ref = ObjectRef.of_row(row)
         if ref.stored_bytes > dest.capacity:
             return False  # can never be there (a file bigger than L2 stays on L3)
@@ -226,12 +231,7 @@ class Mover:
                 new_ref = await self.store.copy(ref, dest)
         except Exception as e:
             self.store.release(dest.name, ref.stored_bytes)
-            self.counters.move_failures += 1
-            now = time.monotonic()
-            if now - self._warned_at > WARN_EVERY_S:  # a full disk fails every move: say it once a minute
-                self._warned_at = now
-                log.warning("moving inode %d from %s to %s failed: %s (%d failed moves so far)", ino, ref.tier,
-                            dest.name, e, self.counters.move_failures)
+            self._move_failed(ino, ref, dest, e)
             return False
         except BaseException:
             self.store.release(dest.name, ref.stored_bytes)
@@ -246,11 +246,68 @@ class Mover:
         await self._delete_source(ref)
         return True
 
+    async def _publish_locked(self, row, dest: Tier) -> bool:
+        """Demotion to a shared L4: the file is published under its path, once, by whoever is first
+        (If-None-Match: *). A file published already (a local copy of it) only switches back to it. A name
+        another node published first is a conflict: this node's file is then evicted, and its name resolves
+        to the published one at the next lookup."""
+        ino, ref = row["id"], ObjectRef.of_row(row)
+        if row["published_key"]:
+            if not await self._reserve(dest, ref.stored_bytes):
+                return False
+            if not self.index.move_object(ino, ref.gen, ref.tier, dest.name):
+                self.store.release(dest.name, ref.stored_bytes)
+                return False
+            new_ref = ObjectRef(ino, ref.gen, dest.name, ref.stored_bytes, row["published_key"])
+        else:
+            key = self._published_key(ino)
+            if key is None:
+                self._conflicts.add(ino)  # no single path (hard links, odd names): it cannot be shared
+                return False
+            if not await self._reserve(dest, ref.stored_bytes):
+                return False
+            meta = {"kvfs-mode": oct(row["mode"])}
+            try:
+                async with self._slots:
+                    etag = await self.store.io(dest.name, dest.publish, key, self.store.tiers[ref.tier],
+                                               ref.object_id, ref.stored_bytes, meta, size=ref.stored_bytes)
+            except FileExistsError:
+                self.store.release(dest.name, ref.stored_bytes)
+                self.counters.publish_conflicts += 1
+                self._conflicts.add(ino)
+                return False
+            except Exception as e:
+                self.store.release(dest.name, ref.stored_bytes)
+                self._move_failed(ino, ref, dest, e)
+                return False
+            if not self.index.publish(ino, ref.gen, ref.tier, dest.name, key, etag):
+                self.store.release(dest.name, ref.stored_bytes)  # rewritten or unlinked meanwhile; what went up
+                return False  # stays published: the first version of that name
+            new_ref = ObjectRef(ino, ref.gen, dest.name, ref.stored_bytes, key)
+        state = self.open_file(ino)
+        if state is not None:
+            state.relocated(new_ref)
+        self._count_move(ref, dest)
+        await self.store.delete(ref)
+        return True
+
+    def _published_key(self, ino: int) -> str | None:
+        parts = self.index.path_of(ino)
+        if parts is None:
+            return None
+        try:
+            return "files/" + "/".join(p.decode() for p in parts)
+        except UnicodeDecodeError:  # S3 keys are UTF-8
+            return None
+
     async def _delete_source(self, ref: ObjectRef) -> None:
         """The moved object's old copy. A remote store's DELETE costs as much as the copy itself (measured on
         RGW): it runs in the background, off the path of a reader waiting for its promotion. Its space is
         released at once; a copy whose deletion fails is an orphan the next start-up reconcile removes."""
         source = self.store.tiers[ref.tier]
+        if ref.key is not None:  # a published object stays for every node: only this mount's claim goes
+            self.store.release(ref.tier, ref.stored_bytes)
+            return
         if self._background is None or source.local_path(ref.object_id) is not None:
             await self.store.delete(ref)
             return
@@ -267,6 +324,14 @@ class Mover:
                         "start)", ref.object_id, source.name, e)
         finally:
             self._deleting -= 1
+
+    def _move_failed(self, ino: int, ref: ObjectRef, dest: Tier, e: Exception) -> None:
+        self.counters.move_failures += 1
+        now = time.monotonic()
+        if now - self._warned_at > WARN_EVERY_S:  # a full disk fails every move: say it once a minute
+            self._warned_at = now
+            log.warning("moving inode %d from %s to %s failed: %s (%d failed moves so far)", ino, ref.tier,
+                        dest.name, e, self.counters.move_failures)
 
     def _count_move(self, ref: ObjectRef, dest: Tier) -> None:
         source = self.store.tiers[ref.tier]

@@ -5,6 +5,7 @@
 - rows whose object is missing or has the wrong size (tmpfs lost at reboot, crash) are dropped: a miss —
   unless a complete copy of that very object sits in another tier (a move cut short), which is adopted;
 - an object in two tiers (a move cut short before the source was unlinked) is kept where the row says;
+- a shared L4 is not listed: its rows are kept (their objects are verified when read) and counted;
 - tier usage counters are seeded from what remains.
 """
 
@@ -42,7 +43,13 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
 
     keep: set[tuple[str, str]] = set()
     missing = []
+    shared = {t.name: t for t in tiers if t.shared}
     for row in index.objects():
+        if row["obj_tier"] in shared:  # published objects: not listed (other nodes' too); checked when read
+            tier = shared[row["obj_tier"]]
+            tier.used_bytes += row["stored_bytes"]
+            tier.files += 1
+            continue
         oid = object_id(row["id"], row["obj_gen"])
         places = found.get(oid, {})
         if places.get(row["obj_tier"]) == row["stored_bytes"]:
@@ -60,7 +67,8 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
     report.rows_dropped = len(missing)
 
     for tier in tiers:
-        tier.used_bytes = tier.files = 0
+        if not tier.shared:
+            tier.used_bytes = tier.files = 0
     by_name = {t.name: t for t in tiers}
     for oid, places in found.items():
         for tier_name, size in places.items():

@@ -22,6 +22,7 @@ from .index import object_id
 from .tiers import Tier
 
 T = TypeVar("T")
+SHARED_TIER = "L4"  # the only tier that can be shared among nodes
 PROBE_BYTES = 64 << 10  # first read of an object: header + table of up to ~1800 frames
 
 
@@ -31,15 +32,20 @@ class ObjectRef:
     gen: int
     tier: str
     stored_bytes: int
+    key: str | None = None  # a published object's id in a shared L4 (index I7); local copies have none
 
     @property
     def object_id(self) -> str:
-        return object_id(self.ino, self.gen)
+        return self.key or object_id(self.ino, self.gen)
 
     @classmethod
     def of_row(cls, row) -> "ObjectRef | None":
         """The object an index row names, or None (obj_gen 0: no object)."""
-        return cls(row["id"], row["obj_gen"], row["obj_tier"], row["stored_bytes"]) if row["obj_gen"] else None
+        if not row["obj_gen"]:
+            return None
+        key = row["published_key"] if "published_key" in row.keys() else None
+        return cls(row["id"], row["obj_gen"], row["obj_tier"], row["stored_bytes"],
+                   key if key and row["obj_tier"] == SHARED_TIER else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +129,16 @@ class Store:
         dest is persistent. On failure the partial copy is gone and the error raised."""
         source = self.tiers[ref.tier]
         slower = max(source, dest, key=self.order.index)  # the copy waits on the slower tier's I/O
+        new_id = object_id(ref.ino, ref.gen)  # a published object's local copy is named like any other
         try:
             size = await self.io(slower.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
-                                 dest.persistent, size=ref.stored_bytes)
+                                 dest.persistent, new_id, size=ref.stored_bytes)
             if size != ref.stored_bytes:
                 raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
                                         f"the index says {ref.stored_bytes}")
         except BaseException:
             with trio.CancelScope(shield=True):
-                await self.io(dest.name, dest.delete, ref.object_id)
+                await self.io(dest.name, dest.delete, new_id)
             raise
         return ObjectRef(ref.ino, ref.gen, dest.name, size)
 

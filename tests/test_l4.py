@@ -377,3 +377,54 @@ def test_an_osd_killed_mid_run_loses_nothing(make_mount, replicated_ceph):
         if m.path(name).exists() and tier_of(m.path(name)) == "L4":
             assert m.path(name).read_bytes() == files[name]
     assert m.alive()
+
+
+def test_mounts_share_one_prefix(make_mount, ceph):
+    """Two mounts (own daemons, L2 and L3) on one shared prefix see one namespace: what A demotes is
+    published by path, and B lists and reads it; published files are immutable on both (EPERM, EXDEV), their
+    names cannot be created again (EEXIST); of two mounts that wrote one name, the first to publish wins and
+    the other then reads the published bytes; an unlink deletes the published object."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    a = start_with_l4(make_mount("a"), ceph, prefix, "--l4-shared", "--promote", "never")
+    b = start_with_l4(make_mount("b"), ceph, prefix, "--l4-shared", "--promote", "never")
+    b.path("ns", "ab").mkdir(parents=True)
+    write(b.path("ns", "ab", "same.kv"), sample_bytes(299))  # B's version of a name, not published yet
+    a.path("ns", "ab").mkdir(parents=True)
+    write(a.path("ns", "ab", "same.kv"), sample_bytes(300))
+    files = {f"ns/ab/f{i}.kv": sample_bytes(i + 200) for i in range(10)}
+    for name, data in files.items():
+        write(a.path(name), data)
+    settle(a)
+    published = [name for name in files if tier_of(a.path(name)) == "L4"]
+    assert published and tier_of(a.path("ns/ab/same.kv")) == "L4"
+    keys = l4_keys(ceph, prefix)
+    assert all(f"{prefix}/files/{name}" in keys for name in published), keys
+
+    listed = set(os.listdir(b.path("ns", "ab")))
+    assert {n.rsplit("/", 1)[1] for n in published} <= listed
+    for name in published:
+        assert b.path(name).read_bytes() == files[name]
+        assert tier_of(b.path(name)) == "L4"
+    assert b.path("ns/ab/same.kv").read_bytes() == sample_bytes(299)  # B's own file, still local
+    for m in (a, b):
+        with pytest.raises(PermissionError):
+            open(m.path(published[0]), "r+b")
+        with pytest.raises(PermissionError):
+            os.truncate(m.path(published[0]), 0)
+        with pytest.raises(OSError) as e:
+            os.rename(m.path(published[0]), m.path("ns", "ab", "moved.kv"))
+        assert e.value.errno == errno.EXDEV
+    with pytest.raises(FileExistsError):
+        os.open(b.path(published[1]),
+                os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+
+    for i in range(10):  # B's tiers fill: its same.kv goes down, finds the name published, and yields
+        write(b.path(f"ns/ab/g{i}.kv"), sample_bytes(i + 400))
+    st = settle(b)
+    assert st["publish_conflicts"] == 1
+    assert b.path("ns/ab/same.kv").read_bytes() == sample_bytes(300)  # A was first
+
+    victim = published[-1]
+    os.unlink(b.path(victim))
+    assert f"{prefix}/files/{victim}" not in l4_keys(ceph, prefix)
+    assert not b.path(victim).exists()

@@ -13,6 +13,8 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
   kvfs-deflate   ... codec deflate (ISA-L; the QAT format)
   kvfs-L3        ... codec zstd, L2 of 1 MiB and --promote never: every chunk read from L3 (the SSD tier),
                  its object files dropped from the page cache first (cold)
+  kvfs-L4        ... codec zstd, L2 and L3 of 1 MiB and --promote never: every chunk lives in L4 and is read
+                 from it (an S3 bucket on a one-host Ceph cluster, RGW on 127.0.0.1, started for the run)
   lmcache        LMCache 0.5.6 multiprocess mode, its fs L2 adapter on a plain directory (/var/tmp), the same
                  chunk size (--chunk, 256 by default) and the same memory budget as kvfs's L2 (its L1); the server is restarted
                  between the storing and the measured engine, so its L1 starts empty, like kvfs's daemon-side
@@ -38,7 +40,8 @@ measured engine's lifetime.
 
     .venv/bin/python tools/bench_ttft.py [--lengths ...] [--reps 3] [--concurrency 1 8] [--arms ...]
 Table on stdout, JSON in bench-results/bench_ttft.json, PNG (TTFT p50 vs prompt length) beside it.
-Needs tools/install_vllm.sh (vLLM, the model, LMCache). About 20 minutes on 2 cores.
+Needs tools/install_vllm.sh (vLLM, the model, LMCache) and, for kvfs-L4, tools/install_ceph.sh. About 25 minutes
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * ELEMENT  # all layers' K and V
 CHUNK = 256  # tokens per chunk file (kvfs) and per LMCache chunk; --chunk changes both
 TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
-ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "lmcache",
+ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "kvfs-L4", "lmcache",
         "vllm-prefix-cache"]
 ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3, "dtype": DTYPE}
 ENV = {"PYTHONHASHSEED": "0"}
@@ -275,6 +278,7 @@ def main() -> int:
     results: dict[str, dict] = {}
     t_start = time.time()
     source = None
+    ceph = None
     try:
         kvfs_arms = [a for a in args.arms if a.startswith("kvfs")]
         turn2 = None
@@ -307,6 +311,11 @@ def main() -> int:
             turn2 = {c: [p + a["tokens"] + f for p, a, f in zip(w["turn1"][c], ans, w["follow"][c])]
                      for c, ans in zip(w["turn1"], answers)}
         rounds = measure_rounds(w, turn2 or {})
+        if "kvfs-L4" in args.arms:
+            from ceph_cluster import CephCluster
+
+            ceph = CephCluster(work / "ceph", port=7490, mon_ports=(3310, 6799)).start()
+            os.environ.update(ceph.env)  # the mount finds its store the standard way
         for arm in args.arms:
             print(f"arm {arm} ...", flush=True)
             if arm == "recompute":
@@ -318,11 +327,15 @@ def main() -> int:
                          "kvfs-zstd-fuse": ["--codec", "zstd"],
                          "kvfs-deflate": ["--codec", "deflate"],
                          "kvfs-L3": ["--codec", "zstd", "--promote", "never", "--l3",
-                                     f"{work / arm / 'l3'}:32G"]}[arm]
-                m = Mount(work, arm, *extra, l2_size="1M" if arm == "kvfs-L3" else MEMORY_BUDGET)
+                                     f"{work / arm / 'l3'}:32G"],
+                         "kvfs-L4": ["--codec", "zstd", "--promote", "never", "--l3", f"{work / arm / 'l3'}:1M",
+                                     "--l4", "s3://kvfs-test/ttft"]}[arm]
+                m = Mount(work, arm, *extra, l2_size="1M" if arm in ("kvfs-L3", "kvfs-L4") else MEMORY_BUDGET)
                 try:
                     copy_chunks(snapshot, m.mountpoint)
                     st = m.stats()
+                    if arm == "kvfs-L4":
+                        assert st["tiers"]["L2"]["files"] == st["tiers"]["L3"]["files"] == 0, st["tiers"]
                     if arm == "kvfs-L3":
                         assert st["tiers"]["L2"]["files"] == 0, st["tiers"]
                         subprocess.run(["sync"], check=True)
@@ -346,6 +359,8 @@ def main() -> int:
     finally:
         if source is not None:
             source.umount()
+        if ceph is not None:
+            ceph.stop()
     doc = {"bench": "ttft", "model": f"SmolLM2-135M-Instruct {DTYPE}, vLLM 0.32 CPU", "dtype": DTYPE,
            "chunk_tokens": args.chunk,
            "lengths": args.lengths, "reps": args.reps, "concurrency": args.concurrency,

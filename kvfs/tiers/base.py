@@ -29,6 +29,7 @@ class Tier(abc.ABC):
         self.files = 0
 
     deadline_s: float | None = None  # remote tiers: the longest one call may take, retries included
+    shared = False  # one namespace with other mounts (an S3 prefix in shared mode): files published by path
 
     def admit(self) -> None:
         """Raise (OSError EIO) at once when the tier is known to be down; local tiers never are."""
@@ -64,10 +65,10 @@ class Tier(abc.ABC):
     def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
         """Atomically create the object from parts (temp name, rename); fsync when durable. Returns size."""
 
-    def copy_from(self, source: "Tier", object_id: str, size: int, durable: bool) -> int:
-        """Create the object as a copy of `source`'s (the move protocol: temp, fsync, rename). Returns the
-        bytes copied; fewer than `size` when the source is shorter."""
-        return self.put(object_id, source.chunks(object_id, size), durable)
+    def copy_from(self, source: "Tier", object_id: str, size: int, durable: bool, new_id: str | None = None) -> int:
+        """Create the object (as `new_id`, else the same id) as a copy of `source`'s (the move protocol: temp,
+        fsync, rename). Returns the bytes copied; fewer than `size` when the source is shorter."""
+        return self.put(new_id or object_id, source.chunks(object_id, size), durable)
 
     def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
         """The object's bytes in pieces, for a copy; ends early when the object is shorter than `size`."""

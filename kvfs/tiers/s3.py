@@ -28,6 +28,7 @@ from .directory import hash_shard
 
 OBJECTS = "objects"
 QUARANTINE = "quarantine"
+FILES = "files"  # a shared prefix: published files by path, <prefix>/files/<path in the mount>
 META_PREFIX = "kvfs-"
 
 
@@ -48,6 +49,7 @@ class S3Location:
     deadline_s: float = 15.0  # per call, retries included (+ time for its bytes at 8 MB/s); EIO past it
     breaker_failures: int = 3  # failures in a row that mark the store down (calls fail fast) …
     probe_s: float = 5.0  # … until a probe, one call this often, succeeds
+    shared: bool = False  # one namespace for every mount on this prefix (files by path, published once)
     multipart_threshold: int = 16 << 20
     part_size: int = 8 << 20
 
@@ -87,6 +89,7 @@ class S3Tier(Tier):
         self.timeouts = 0
         self.quarantined = 0
         self.deadline_s = location.deadline_s
+        self.shared = location.shared
         self.breaker = Breaker(f"L4 {location.url}", location.breaker_failures, location.probe_s)
 
     def describe(self) -> str:
@@ -115,7 +118,70 @@ class S3Tier(Tier):
 
     # -- the tier interface --------------------------------------------------------------------------------
     def _key(self, object_id: str) -> str:
+        if object_id.startswith(f"{FILES}/"):  # a published file's id is its key under the prefix
+            return f"{self.location.prefix}/{object_id}" if self.location.prefix else object_id
         return f"{self._base}{hash_shard(object_id):02x}/{object_id}"
+
+    # -- the shared namespace (location.shared) ------------------------------------------------------------
+    def publish(self, object_id: str, source: Tier, source_id: str, size: int, meta: dict[str, str]) -> str:
+        """Upload a file under its path id if no one has (If-None-Match: *). Returns the ETag; FileExistsError
+        when another node published that name first."""
+        body = b"".join(source.chunks(source_id, size))
+        if len(body) != size:
+            raise fmt.CorruptObject(f"object {source_id} in {source.name} is shorter than {size} bytes")
+        try:
+            answer = self.client.put_object(Bucket=self.location.bucket, Key=self._key(object_id), Body=body,
+                                            Metadata={**_metadata(body), **meta}, IfNoneMatch="*")
+        except Exception as e:  # noqa: BLE001
+            if _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                self._count("put")
+                raise FileExistsError(errno.EEXIST, f"{object_id} is published already") from None
+            raise self._failure("put", object_id, e) from None
+        self._count("put", out=len(body))
+        return answer["ETag"]
+
+    def head(self, object_id: str) -> dict | None:
+        """A published file's facts (size, stored bytes, ETag, mode, mtime), None when absent."""
+        try:
+            a = self._call("head", self.client.head_object, Bucket=self.location.bucket, Key=self._key(object_id))
+        except FileNotFoundError:
+            return None
+        meta = a.get("Metadata", {})
+        try:
+            size = int(meta[f"{META_PREFIX}size"])
+        except (KeyError, ValueError):
+            return None  # not a kvfs object: not adopted
+        return {"size": size, "stored_bytes": int(a["ContentLength"]), "etag": a["ETag"],
+                "mode": int(meta.get(f"{META_PREFIX}mode", "0o100644"), 0),
+                "mtime_ns": int(a["LastModified"].timestamp() * 1e9)}
+
+    def list_dir(self, dir_id: str) -> tuple[list[str], list[str]]:
+        """Names of the files and of the subdirectories under a published directory id ('files/a/b/')."""
+        prefix = self._key(dir_id)
+        files, dirs = [], []
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix, Delimiter="/"):
+                self._count("list")
+                files += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+                dirs += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        except Exception as e:  # noqa: BLE001
+            raise self._failure("list", prefix, e) from None
+        return [f for f in files if f and "/" not in f], [d for d in dirs if d]
+
+    def has_children(self, dir_id: str) -> bool:
+        """Whether anything is published under a directory id ('files/a/b/'): one key listed at most."""
+        a = self._call("list", self.client.list_objects_v2, Bucket=self.location.bucket, Prefix=self._key(dir_id),
+                       MaxKeys=1)
+        return bool(a.get("KeyCount") or a.get("Contents"))
+
+    def delete_if(self, object_id: str, etag: str) -> bool:
+        """Delete a published file only if it is still the object this node read (same ETag)."""
+        facts = self.head(object_id)
+        if facts is None or facts["etag"] != etag:
+            return False
+        self.delete(object_id)
+        return True
 
     def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
         key = self._key(object_id)
@@ -181,6 +247,8 @@ class S3Tier(Tier):
         self._call("delete", self.client.delete_object, Bucket=self.location.bucket, Key=self._key(object_id))
 
     def scan(self) -> Iterator[ObjectInfo]:
+        if self.location.shared:
+            return  # other nodes' files are not this mount's orphans: a shared prefix is managed by kvfs gc
         for key, size in self._list(self._base):
             shard, _, oid = key[len(self._base):].partition("/")
             if oid and "/" not in oid and shard == f"{hash_shard(oid):02x}":
@@ -195,7 +263,7 @@ class S3Tier(Tier):
             self._call("delete", self.client.abort_multipart_upload, Bucket=self.location.bucket, Key=u["Key"],
                        UploadId=u["UploadId"])
             removed += 1
-        for key, _ in self._list(self._base):
+        for key, _ in ([] if self.location.shared else self._list(self._base)):
             shard, _, oid = key[len(self._base):].partition("/")
             if not oid or "/" in oid or shard != f"{hash_shard(oid):02x}":
                 self._call("delete", self.client.delete_object, Bucket=self.location.bucket, Key=key)
@@ -203,12 +271,13 @@ class S3Tier(Tier):
         return removed
 
     def quarantine(self, object_id: str) -> str:
-        """Server-side copy of a corrupt object under <prefix>/quarantine/ (outside objects/: never scanned or
-        adopted again); the original goes with its file, as any object does."""
+        """Move a corrupt object (server-side copy, then delete) under <prefix>/quarantine/, outside objects/
+        and files/: never scanned, looked up or adopted again, by this node or another."""
         root = f"{self.location.prefix}/{QUARANTINE}" if self.location.prefix else QUARANTINE
-        key = f"{root}/{object_id}"
+        key = f"{root}/{object_id.replace('/', '%2F')}"
         self._call("put", self.client.copy_object, Bucket=self.location.bucket, Key=key,
                    CopySource={"Bucket": self.location.bucket, "Key": self._key(object_id)})
+        self.delete(object_id)  # moved, not copied: no other node's lookup finds it again
         with self._lock:
             self.quarantined += 1
         return f"s3://{self.location.bucket}/{key}"
