@@ -26,7 +26,7 @@ from .codecs import by_name
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
 from .locks import InodeLocks
 from .mover import Mover
-from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile
+from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile, PublishedGone
 from .store import ObjectRef, Store
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _guard(fn):
             raise
         except FileCorrupt as e:
             await self.drop_corrupt(e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, PublishedGone) else errno.EIO) from None
         except OSError as e:
             if e.errno in EXPECTED_ERRNOS:
                 log.debug("%s: %s", fn.__name__, e)
@@ -735,12 +735,17 @@ class Operations(pyfuse3.Operations):
                     return  # dropped earlier
                 done = self._dropping[err.ino] = trio.Event()
                 try:
-                    self.counters.checksum_failures += 1
-                    log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
-                              ", ".join(repr(n) for _, n in names), err.reason)
+                    gone = isinstance(err, PublishedGone)
+                    if gone:  # not corruption: another node unlinked it
+                        log.info("inode %d (%s): %s; file dropped", err.ino,
+                                 ", ".join(repr(n) for _, n in names), err.reason)
+                    else:
+                        self.counters.checksum_failures += 1
+                        log.error("corrupt object for inode %d (%s): %s; file dropped", err.ino,
+                                  ", ".join(repr(n) for _, n in names), err.reason)
                     ref = ObjectRef.of_row(self.index.get(err.ino))
                     self.index.drop_file(err.ino)
-                    if ref is not None:
+                    if ref is not None and not gone:
                         await self._quarantine(ref)
                     # a worker thread keeps the trio loop serving requests the kernel may need meanwhile
                     for parent, name in names:

@@ -49,6 +49,10 @@ class FileCorrupt(Exception):
         self.reason = reason
 
 
+class PublishedGone(FileCorrupt):
+    """A published object vanished from the shared L4: another node unlinked the name. A miss (ENOENT)."""
+
+
 class _StaleObject(Exception):
     """The object read was replaced by a commit while we read it; retry with the current one."""
 
@@ -257,7 +261,8 @@ class OpenFile:
 
     def _check_usable(self) -> None:
         if self.corrupt:
-            raise FileCorrupt(self.ino, self.corrupt)
+            kind = PublishedGone if self.corrupt.startswith("published object") else FileCorrupt
+            raise kind(self.ino, self.corrupt)
 
     async def _layout_of(self, ref: ObjectRef) -> Layout:
         if self._layout is not None and self._layout[0] is ref:
@@ -287,6 +292,9 @@ class OpenFile:
     def _stale_or_vanished(self, ref: ObjectRef) -> Exception:
         if self.ref is not ref:
             return _StaleObject()
+        if ref.key is not None:
+            self.corrupt = f"published object {ref.key} is gone"
+            return PublishedGone(self.ino, self.corrupt)
         return self._mark_corrupt(f"object {ref.object_id} vanished from {ref.tier}")
 
     async def _committed_frame(self, i: int):

@@ -428,3 +428,6 @@ def test_mounts_share_one_prefix(make_mount, ceph):
     os.unlink(b.path(victim))
     assert f"{prefix}/files/{victim}" not in l4_keys(ceph, prefix)
     assert not b.path(victim).exists()
+    with pytest.raises(FileNotFoundError):  # A still had the name: a miss now, not an error
+        a.path(victim).read_bytes()
+    assert not a.path(victim).exists() and a.stats()["checksum_failures"] == 0
