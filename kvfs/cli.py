@@ -38,6 +38,9 @@ def main() -> None:
 @click.option("--l4-shared", is_flag=True, default=None,
               help="the L4 prefix is one namespace for every mount on it: files published by path, immutable "
                    "once there, first writer of a name wins")
+@click.option("--l4-write", type=click.Choice(["demote", "through"]),
+              help="demote (default): files reach L4 when L3 demotes them; through: every committed file is also "
+                   "published to the shared L4 a second after its last close")
 @click.option("--promote", metavar="POLICY",
               help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
 @click.option("--codec", type=click.Choice(CODECS),
@@ -55,12 +58,13 @@ def main() -> None:
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
-def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, promote, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
+def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_write, promote, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
           log_file, debug):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
-                           l4_path_style=l4_path_style, l4_shared=l4_shared, promote=promote, codec=codec,
+                           l4_path_style=l4_path_style, l4_shared=l4_shared, l4_write=l4_write,
+                           promote=promote, codec=codec,
                            dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
                            debug=debug, log_file=log_file)
     except ConfigError as e:

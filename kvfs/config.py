@@ -171,12 +171,12 @@ def _tier_config(name: str, section: dict, spec: str | None, default_path: Path 
 
 S3_KEYS = {"endpoint_url": str, "region": str, "profile": str, "path_style": bool, "access_key_id": str,
            "secret_access_key": str, "timeout_s": float, "attempts": int, "deadline_s": float,
-           "breaker_failures": int, "probe_s": float, "shared": bool}
+           "breaker_failures": int, "probe_s": float, "shared": bool, "write_policy": str}
 S3_SIZE_KEYS = ("multipart_threshold", "part_size")
 
 
 def _l4_config(section: dict, target: str | None, capacity: str | None, path_style: bool | None,
-               shared: bool | None = None) -> TierConfig | None:
+               shared: bool | None = None, write_policy: str | None = None) -> TierConfig | None:
     """L4 from its TOML section and the command line: an s3:// URL (any S3-compatible store) or a directory
     on a mounted distributed filesystem. Credentials only from TOML or the environment, never arguments."""
     tier_keys = {"url", "capacity", "high_watermark", "low_watermark"}
@@ -205,6 +205,12 @@ def _l4_config(section: dict, target: str | None, capacity: str | None, path_sty
         options["path_style"] = path_style
     if shared is not None:
         options["shared"] = shared
+    if write_policy is not None:
+        options["write_policy"] = write_policy
+    if options.get("write_policy", "demote") not in ("demote", "through"):
+        raise ConfigError("[l4] write_policy must be demote or through")
+    if options.get("write_policy") == "through" and not options.get("shared"):
+        raise ConfigError("write_policy through needs a shared L4 prefix (shared = true, --l4-shared)")
     if options.get("shared") and capacity:
         raise ConfigError("a shared L4 prefix has no per-mount capacity: kvfs gc manages it")
     if options.get("part_size", 8 << 20) < (5 << 20):
@@ -245,6 +251,7 @@ def build_config(
     l4_capacity: str | None = None,
     l4_path_style: bool | None = None,
     l4_shared: bool | None = None,
+    l4_write: str | None = None,
     promote: str | None = None,
     codec: str | None = None,
     dtype: str | None = None,
@@ -270,7 +277,7 @@ def build_config(
     l3_tier = _tier_config("L3", toml.get("l3", {}), l3, default_l3_dir(sdir), DEFAULT_L3_CAPACITY, True)
     if l3_tier is not None and l3_tier.path.resolve() == l2_tier.path.resolve():
         raise ConfigError("L2 and L3 must be different directories")
-    l4_tier = _l4_config(toml.get("l4", {}), l4, l4_capacity, l4_path_style, l4_shared)
+    l4_tier = _l4_config(toml.get("l4", {}), l4, l4_capacity, l4_path_style, l4_shared, l4_write)
     if l4_tier is not None and l4_tier.path is not None and any(
             t is not None and t.path.resolve() == l4_tier.path.resolve() for t in (l2_tier, l3_tier)):
         raise ConfigError("L4 must be a directory of its own")

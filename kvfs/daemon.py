@@ -106,6 +106,7 @@ def run(config: Config) -> int:
     locks = InodeLocks()
     mover = Mover(store, index, config.tiers, config.promotion, counters, locks)
     store.place = mover.place
+    mover.write_through = any(t.s3 is not None and t.s3.write_policy == "through" for t in config.tiers)
     ops = Operations(config, index, store, mover, locks, counters)
     ops.qat = qat_codec
     shared = [t for t in tiers if t.shared]

@@ -322,6 +322,7 @@ class Operations(pyfuse3.Operations):
             state.discard()  # whatever could not be committed is gone with the last handle
             del self.open_files[state.ino]
             self.locks.give_back(state.ino)
+            self.mover.publish_later(state.ino)
             await self._maybe_delete(state.ino)
 
     async def _commit(self, state: OpenFile, durable: bool) -> None:

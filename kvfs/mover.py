@@ -41,6 +41,7 @@ from .tiers import Tier
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0  # the mover checks watermarks at least this often
+SETTLE_S = 1.0  # write policy through: a file is published this long after its last close
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
 WARN_EVERY_S = 60.0
@@ -66,6 +67,8 @@ class Mover:
         self._deleting = 0  # sources of finished moves being deleted in the background (remote tiers)
         self._background: trio.Nursery | None = None
         self._conflicts: set[int] = set()  # files a shared L4 will not take (name published by another node)
+        self.write_through = False  # publish every committed file to the shared L4 once it has settled
+        self._settling: dict[int, float] = {}  # ino → when it may be published (write policy through)
         self._warned_at = -1e9
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
@@ -90,6 +93,7 @@ class Mover:
             self._wake = trio.Event()
             try:
                 await self._promote_queued()
+                await self._publish_settled()
                 for tier in self.order:
                     high, low = self.watermarks[tier.name]
                     nxt = self._next_tier(tier)
@@ -421,6 +425,62 @@ class Mover:
                 await self._move_locked(ino, fastest)
             finally:
                 self._moving -= 1
+
+    # -- write policy through (shared L4) -----------------------------------------------------------------
+    def publish_later(self, ino: int) -> None:
+        """The last handle of a file closed: publish it once it has settled (a temp name renamed meanwhile
+        is published under its final name, in one upload)."""
+        if self.write_through:
+            self._settling[ino] = time.monotonic() + SETTLE_S
+            self.wake()
+
+    async def _publish_settled(self) -> None:
+        now = time.monotonic()
+        due = [ino for ino, at in self._settling.items() if at <= now]
+        shared = next((t for t in self.order if t.shared), None)
+        if not due or shared is None or not shared.available():
+            return
+        for ino in due:
+            del self._settling[ino]
+        conflicts: list[int] = []
+        async with trio.open_nursery() as nursery:
+            for ino in due:
+                if self.open_file(ino) is None:  # open again: its next release reschedules it
+                    nursery.start_soon(self._publish_in_place, ino, shared, conflicts)
+        for ino in conflicts:  # another node published the name first: it is theirs
+            row = self.index.get(ino)
+            if row is not None and row["obj_tier"] in self.store.tiers:
+                await self.evict(ino, self.store.tiers[row["obj_tier"]])
+
+    async def _publish_in_place(self, ino: int, shared: Tier, conflicts: list[int]) -> None:
+        """Upload a settled file to the shared L4 under its path; its object stays where it is (a local copy
+        of a published file, as after a promotion)."""
+        async with self.locks.holding(ino, wait=False) as held:
+            if not held:
+                self._settling[ino] = time.monotonic() + SETTLE_S
+                return
+            row = self.index.get(ino)
+            if row is None or not row["obj_gen"] or row["published_key"] or row["obj_tier"] == shared.name:
+                return
+            key = self._published_key(ino)
+            if key is None:
+                return
+            ref = ObjectRef.of_row(row)
+            try:
+                async with self._slots:
+                    etag = await self.store.io(shared.name, shared.publish, key, self.store.tiers[ref.tier],
+                                               ref.object_id, ref.stored_bytes, {"kvfs-mode": oct(row["mode"])},
+                                               size=ref.stored_bytes)
+            except FileExistsError:
+                self.counters.publish_conflicts += 1
+                conflicts.append(ino)
+                return
+            except Exception as e:
+                self._move_failed(ino, ref, shared, e)
+                self._settling[ino] = time.monotonic() + SETTLE_S * 5  # retried, not lost
+                return
+            if self.index.publish(ino, ref.gen, ref.tier, ref.tier, key, etag):
+                self.counters.published_through += 1
 
     # -- fsync -------------------------------------------------------------------------------------------
     async def make_durable(self, ino: int) -> None:

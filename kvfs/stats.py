@@ -37,6 +37,7 @@ class Counters:
     reconcile_orphans_removed: int = 0
     reconcile_rows_dropped: int = 0
     reconcile_objects_adopted: int = 0  # rows pointed at a complete copy in another tier (a move cut short)
+    published_through: int = 0  # files uploaded to a shared L4 after settling (write policy through)
     publish_conflicts: int = 0  # demotions to a shared L4 refused: another node published the name first
     move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
     writer_waits: int = 0  # commits that waited for the mover to make room

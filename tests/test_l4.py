@@ -431,3 +431,28 @@ def test_mounts_share_one_prefix(make_mount, ceph):
     with pytest.raises(FileNotFoundError):  # A still had the name: a miss now, not an error
         a.path(victim).read_bytes()
     assert not a.path(victim).exists() and a.stats()["checksum_failures"] == 0
+
+
+def test_write_through_publishes_a_settled_file_once(make_mount, ceph):
+    """Write policy through: a file written under a temp name and renamed is published under its final name,
+    in one upload, about a second after its last close, and stays on A's L2; B reads it from L4 at once."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    args = ("--l4-shared", "--l4-write", "through", "--promote", "never")
+    a = start_with_l4(make_mount("a"), ceph, prefix, *args, l2="512M")
+    b = start_with_l4(make_mount("b"), ceph, prefix, *args)
+    a.path("ns", "cd").mkdir(parents=True)
+    data = sample_bytes(500)
+    puts = a.stats()["tiers"]["L4"]["requests"]["put"]
+    write(a.path("ns", "cd", "chunk.kv.tmp"), data)
+    os.rename(a.path("ns", "cd", "chunk.kv.tmp"), a.path("ns", "cd", "chunk.kv"))
+    deadline = time.monotonic() + 15
+    while a.stats()["published_through"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    st = a.stats()
+    assert st["tiers"]["L4"]["requests"]["put"] == puts + 1 and tier_of(a.path("ns", "cd", "chunk.kv")) == "L2"
+    assert list(k for k in l4_keys(ceph, prefix) if "/files/" in k) == [f"{prefix}/files/ns/cd/chunk.kv"]
+    assert b.path("ns", "cd", "chunk.kv").read_bytes() == data
+    with pytest.raises(PermissionError):
+        open(a.path("ns", "cd", "chunk.kv"), "ab")
+    assert a.path("ns", "cd", "chunk.kv").read_bytes() == data

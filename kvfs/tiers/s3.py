@@ -50,6 +50,7 @@ class S3Location:
     breaker_failures: int = 3  # failures in a row that mark the store down (calls fail fast) …
     probe_s: float = 5.0  # … until a probe, one call this often, succeeds
     shared: bool = False  # one namespace for every mount on this prefix (files by path, published once)
+    write_policy: str = "demote"  # or "through": every committed file is published once it has settled
     multipart_threshold: int = 16 << 20
     part_size: int = 8 << 20
 
