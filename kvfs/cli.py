@@ -137,6 +137,44 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
+@main.command()
+@click.argument("url", metavar="s3://BUCKET/PREFIX")
+@click.option("--max-size", metavar="SIZE", help="delete least recently used files until the prefix holds this much")
+@click.option("--max-age", metavar="DURATION", help="delete files not read for this long (e.g. 12h, 7d)")
+@click.option("--dry-run", is_flag=True, help="say what would go, delete nothing")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="TOML file whose [l4] section says how to reach the store (endpoint, credentials)")
+def gc(url, max_size, max_age, dry_run, config_file):
+    """Keep a shared L4 prefix within its capacity: least recently used published files go first.
+
+    Run by one owner (a timer), never by the mounts; reads logged by every mount count as uses."""
+    from . import gc as gc_mod
+    from .config import load_toml, parse_size, _l4_config
+
+    if not max_size and not max_age:
+        raise click.UsageError("give --max-size, --max-age or both")
+    try:
+        section = load_toml(config_file).get("l4", {}) if config_file else {}
+        section = {k: v for k, v in section.items() if k not in ("url", "capacity")}
+        tier = _l4_config({**section, "shared": True}, url, None, None)
+        max_bytes = parse_size(max_size) if max_size else None
+        max_age_s = gc_mod.parse_duration(max_age) if max_age else None
+    except (ConfigError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    if tier is None or tier.s3 is None:
+        raise click.UsageError("kvfs gc works on an s3:// prefix")
+    try:
+        report = gc_mod.collect(tier.s3, max_bytes, max_age_s, dry_run)
+    except OSError as e:
+        raise click.ClickException(e.strerror or str(e)) from None
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{tier.s3.url}: {report.files} files, {_human(report.bytes)}; {verb} {report.deleted_files} "
+               f"({_human(report.deleted_bytes)}), {_human(report.bytes - report.deleted_bytes)} left; "
+               f"{report.logs_compacted} access logs compacted")
+    for fid in report.deleted:
+        click.echo(f"  {verb} {fid}")
+
+
 @main.command(name="stat")
 @click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print the raw JSON")

@@ -171,7 +171,8 @@ def _tier_config(name: str, section: dict, spec: str | None, default_path: Path 
 
 S3_KEYS = {"endpoint_url": str, "region": str, "profile": str, "path_style": bool, "access_key_id": str,
            "secret_access_key": str, "timeout_s": float, "attempts": int, "deadline_s": float,
-           "breaker_failures": int, "probe_s": float, "shared": bool, "write_policy": str}
+           "breaker_failures": int, "probe_s": float, "shared": bool, "write_policy": str,
+           "access_log_s": float}
 S3_SIZE_KEYS = ("multipart_threshold", "part_size")
 
 

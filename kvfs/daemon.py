@@ -187,9 +187,14 @@ async def _serve(ops: Operations, index: Index, mover: Mover) -> None:
         nursery.start_soon(_watch_signals)
         nursery.start_soon(mover.run)
         nursery.start_soon(_flush_periodically, index, ops.counters)
+        if ops.shared is not None:
+            nursery.start_soon(ops.shared.log_reads_periodically, ops.shared.tier.location.access_log_s)
         await pyfuse3.main()
         # main() returned: the kernel unmounted us, or a signal asked us to stop
         await ops.commit_all()
+        if ops.shared is not None:
+            with trio.move_on_after(10):
+                await ops.shared.flush_reads()
         try:
             index.flush_access()
             await trio.to_thread.run_sync(index.sync)

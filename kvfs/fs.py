@@ -390,6 +390,10 @@ class Operations(pyfuse3.Operations):
         if not h.read_seen and h.state.ref is not None:
             h.read_seen = True
             ref = h.state.ref
+            if self.shared is not None:
+                key = self.index.get(h.ino)["published_key"]
+                if key:
+                    self.shared.note_read(key)
             if self.mover.note_read(h.ino, ref.tier) and self._read_through(ref):
                 await self.mover.promote_now(h.ino)  # the state is relocated: the read below hits L2
         data = await h.state.read(off, size)

@@ -14,6 +14,9 @@ import logging
 import os
 import stat
 import time
+import uuid
+
+import trio
 
 from .index import ROOT_INODE, Index
 from .store import Store
@@ -33,6 +36,30 @@ class SharedNamespace:
         self.uid, self.gid = os.getuid(), os.getgid()
         self._misses: dict[tuple[int, bytes], float] = {}
         self.adopted = 0  # names found in the store (files and directories)
+        self._reads: dict[str, int] = {}  # published file id → last read (unix seconds), not yet logged
+        self._node = uuid.uuid4().hex[:12]  # names this daemon's access logs
+
+    # -- the access log (kvfs gc's LRU order) -------------------------------------------------------------
+    def note_read(self, file_id: str) -> None:
+        self._reads[file_id] = int(time.time())
+
+    async def log_reads_periodically(self, interval_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            await self.flush_reads()
+
+    async def flush_reads(self) -> None:
+        """Write the reads since the last flush as one log object; kept for the next flush if the store fails."""
+        if not self._reads:
+            return
+        reads, self._reads = self._reads, {}
+        lines = "".join(f"{fid}\t{t}\n" for fid, t in reads.items())
+        try:
+            await self.store.io(self.tier.name, self.tier.put_access_log, f"{self._node}-{time.time_ns()}.log", lines)
+        except OSError as e:
+            log.debug("access log not written: %s", e)
+            for fid, t in reads.items():
+                self._reads[fid] = max(t, self._reads.get(fid, 0))
 
     def _dir_id(self, ino: int) -> str | None:
         if ino == ROOT_INODE:

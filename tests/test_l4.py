@@ -456,3 +456,39 @@ def test_write_through_publishes_a_settled_file_once(make_mount, ceph):
     with pytest.raises(PermissionError):
         open(a.path("ns", "cd", "chunk.kv"), "ab")
     assert a.path("ns", "cd", "chunk.kv").read_bytes() == data
+
+
+def test_gc_keeps_a_shared_prefix_within_its_size(make_mount, ceph, tmp_path):
+    """kvfs gc deletes the least recently used published files first: a file read (by any mount, from its
+    access log) outlives newer files nobody read; the logs read are compacted into one."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text("[l4]\naccess_log_s = 0.5\n")
+    args = ("--l4-shared", "--l4-write", "through", "--promote", "never", "--config", str(toml))
+    a = start_with_l4(make_mount("a"), ceph, prefix, *args, l2="512M")
+    b = start_with_l4(make_mount("b"), ceph, prefix, *args, l2="512M")
+    a.path("kv").mkdir()
+    for i in range(3):
+        write(a.path("kv", f"f{i}.kv"), sample_bytes(600 + i))
+        deadline = time.monotonic() + 15
+        while a.stats()["published_through"] < i + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.1)  # LastModified has whole seconds
+    assert b.path("kv", "f0.kv").read_bytes() == sample_bytes(600)  # the oldest, but read now
+    deadline = time.monotonic() + 15
+    while not [k for k in l4_keys(ceph, prefix) if "/access/" in k]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    sizes = {k.rsplit("/", 1)[1]: v for k, v in l4_keys(ceph, prefix).items() if "/files/" in k}
+    out = subprocess.run([sys.executable, "-m", "kvfs", "gc", f"s3://kvfs-test/{prefix}", "--max-size",
+                          str(sizes["f0.kv"] + 1000)], capture_output=True, text=True, env={**os.environ, **ceph.env},
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "deleted 2" in out.stdout, out.stdout
+    left = l4_keys(ceph, prefix)
+    assert [k for k in left if "/files/" in k] == [f"{prefix}/files/kv/f0.kv"]
+    logs = [k for k in left if "/access/" in k]
+    assert len(logs) == 1 and "/access/gc-" in logs[0]
+    assert not b.path("kv", "f1.kv").exists()  # gone for mounts that never had it
+    assert b.path("kv", "f0.kv").read_bytes() == sample_bytes(600)

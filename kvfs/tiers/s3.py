@@ -29,6 +29,7 @@ from .directory import hash_shard
 OBJECTS = "objects"
 QUARANTINE = "quarantine"
 FILES = "files"  # a shared prefix: published files by path, <prefix>/files/<path in the mount>
+ACCESS = "access"  # a shared prefix: logs of reads, one object per flush per mount (kvfs gc reads them)
 META_PREFIX = "kvfs-"
 
 
@@ -51,6 +52,7 @@ class S3Location:
     probe_s: float = 5.0  # … until a probe, one call this often, succeeds
     shared: bool = False  # one namespace for every mount on this prefix (files by path, published once)
     write_policy: str = "demote"  # or "through": every committed file is published once it has settled
+    access_log_s: float = 30.0  # a shared prefix: how often a mount writes the log of its reads
     multipart_threshold: int = 16 << 20
     part_size: int = 8 << 20
 
@@ -175,6 +177,13 @@ class S3Tier(Tier):
         a = self._call("list", self.client.list_objects_v2, Bucket=self.location.bucket, Prefix=self._key(dir_id),
                        MaxKeys=1)
         return bool(a.get("KeyCount") or a.get("Contents"))
+
+    def put_access_log(self, name: str, lines: str) -> None:
+        """One batch of this mount's reads of published files: '<file id>\t<unix seconds>' per line."""
+        root = f"{self.location.prefix}/{ACCESS}" if self.location.prefix else ACCESS
+        body = lines.encode()
+        self._call("put", self.client.put_object, Bucket=self.location.bucket, Key=f"{root}/{name}", Body=body)
+        self._count(out=len(body))
 
     def delete_if(self, object_id: str, etag: str) -> bool:
         """Delete a published file only if it is still the object this node read (same ETag)."""

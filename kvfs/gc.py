@@ -1,0 +1,91 @@
+"""`kvfs gc`: the capacity of a shared L4 prefix, kept by deleting its least recently used published files.
+
+A shared prefix has no per-mount capacity: every mount publishes into it and none may decide alone what goes.
+One owner (a cron job, a systemd timer) runs gc. Last access of a file = the latest of its publication time
+(LastModified) and every read any mount logged (`<prefix>/access/*.log`, '<file id>\\t<unix seconds>' lines,
+written by each mount every `access_log_s`). gc deletes files oldest access first until the prefix holds at
+most --max-size bytes, and every file not read for --max-age. It then replaces the logs it read by one
+compacted log of the survivors' reads, so the logs stay small. A mount that still names a deleted file finds
+it gone at its next read: a miss (ENOENT), never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+from .tiers.s3 import ACCESS, FILES, S3Location, S3Tier
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d' or plain seconds → seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclasses.dataclass
+class GcReport:
+    files: int = 0
+    bytes: int = 0
+    deleted_files: int = 0
+    deleted_bytes: int = 0
+    logs_compacted: int = 0
+    deleted: list[str] = dataclasses.field(default_factory=list)
+
+
+def collect(location: S3Location, max_bytes: int | None = None, max_age_s: float | None = None,
+            dry_run: bool = False, now: float | None = None) -> GcReport:
+    tier = S3Tier("L4", location, 1 << 60)
+    tier.check()
+    root = f"{location.prefix}/" if location.prefix else ""
+    now = time.time() if now is None else now
+    files = {}  # file id → [size, last access]
+    for key, size, modified in _listing(tier, root + FILES + "/"):
+        files[key[len(root):]] = [size, modified]
+    logs = [key for key, _, _ in _listing(tier, root + ACCESS + "/")]
+    read_at: dict[str, float] = {}
+    for key in logs:
+        body = tier.client.get_object(Bucket=location.bucket, Key=key)["Body"].read().decode(errors="replace")
+        for line in body.splitlines():
+            fid, _, t = line.partition("\t")
+            try:
+                read_at[fid] = max(read_at.get(fid, 0.0), float(t))
+            except ValueError:
+                continue  # a torn line: ignored
+    for fid, t in read_at.items():
+        if fid in files:
+            files[fid][1] = max(files[fid][1], t)
+    report = GcReport(files=len(files), bytes=sum(size for size, _ in files.values()))
+    total = report.bytes
+    for fid, (size, last) in sorted(files.items(), key=lambda kv: kv[1][1]):
+        too_old = max_age_s is not None and last < now - max_age_s
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            break  # oldest first: every later file is newer, and the total only shrank
+        if not dry_run:
+            tier.delete(fid)
+        total -= size
+        report.deleted_files += 1
+        report.deleted_bytes += size
+        report.deleted.append(fid)
+    if not dry_run and logs:
+        gone = set(report.deleted)
+        kept = "".join(f"{fid}\t{int(t)}\n" for fid, t in read_at.items() if fid in files and fid not in gone)
+        if kept:
+            tier.put_access_log(f"gc-{time.time_ns()}.log", kept)
+        for key in logs:
+            tier.client.delete_object(Bucket=location.bucket, Key=key)
+        report.logs_compacted = len(logs)
+    return report
+
+
+def _listing(tier: S3Tier, prefix: str):
+    for page in tier.client.get_paginator("list_objects_v2").paginate(Bucket=tier.location.bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            yield item["Key"], int(item["Size"]), item["LastModified"].timestamp()
