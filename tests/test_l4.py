@@ -417,6 +417,16 @@ def test_mounts_share_one_prefix(make_mount, ceph):
     with pytest.raises(FileExistsError):
         os.open(b.path(published[1]),
                 os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    from kvfs_connector import files as chunk_files
+    real_exists = chunk_files.exists
+    answers = [False]  # the race: published by A after B's check
+    chunk_files.exists = lambda path: answers.pop() if answers else real_exists(path)
+    try:
+        assert chunk_files.write_atomic(str(b.path(published[2])), [b"other bytes"], {}) is False
+    finally:
+        chunk_files.exists = real_exists
+    assert b.path(published[2]).read_bytes() == files[published[2]]
+    assert not [p for p in os.listdir(b.path("ns", "ab")) if p.endswith(".tmp")]
 
     for i in range(10):  # B's tiers fill: its same.kv goes down, finds the name published, and yields
         write(b.path(f"ns/ab/g{i}.kv"), sample_bytes(i + 400))

@@ -46,7 +46,13 @@ def write_atomic(path: str, parts: list, xattrs: dict[str, bytes]) -> bool:
                 view = view[n:]
         os.close(fd)
         fd = -1
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except OSError as e:  # a shared kvfs L4: another node published this chunk meanwhile (immutable)
+            if e.errno != errno.EXDEV or not exists(path):
+                raise
+            os.unlink(tmp)
+            return False
         return True
     except BaseException:
         if fd >= 0:
