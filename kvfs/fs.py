@@ -614,15 +614,27 @@ class Operations(pyfuse3.Operations):
         value = {"tier": row["obj_tier"], "codec": row["codec"], "transform": row["transform"]}[key]
         return (value or "none").encode()
 
-    def _object_xattr(self, ino: int, row) -> bytes:
+    async def _object_xattr(self, ino: int, row) -> bytes:
         """Where a committed file's object can be opened past FUSE (kvfs.direct). Counts as a read of the
-        file: the reader is about to read it all. No answer (ENOATTR, a read through the mount then) for a
-        file with unsaved writes, a corrupt one, or one with no object in a local tier."""
+        file: the reader is about to read it all. A file in a remote tier that is due for promotion is
+        promoted first (one whole-object GET), then located in L2. No answer (ENOATTR, a read through the
+        mount then) for a file with unsaved writes, a corrupt one, or one with no object in a local tier."""
         state = self.open_files.get(ino)
         ref = ObjectRef.of_row(row)
         if ref is None or (state is not None and (state.modified or state.corrupt)):
             raise _err(pyfuse3.ENOATTR)
         path = self.store.tiers[ref.tier].local_path(ref.object_id)
+        if path is None and self._read_through(ref) and self.mover.note_read(ino, ref.tier):
+            self.index.note_access(ino)
+            if await self.mover.promote_now(ino):
+                row = self._row(ino)
+                ref = ObjectRef.of_row(row)
+                path = self.store.tiers[ref.tier].local_path(ref.object_id) if ref is not None else None
+                if path is not None:  # the promotion counted the read: a second hit would double it
+                    self.counters.direct_reads += 1
+                    self.counters.direct_bytes += row["size"]
+                    return direct.Location(ref.tier, ref.stored_bytes, row["size"], path).encode()
+            raise _err(pyfuse3.ENOATTR)
         if path is None:
             raise _err(pyfuse3.ENOATTR)
         self.mover.note_read(ino, ref.tier)
@@ -639,7 +651,7 @@ class Operations(pyfuse3.Operations):
         if name in INFO_XATTRS and stat.S_ISREG(row["mode"]):
             return self._info_xattr(row, name)
         if name == XA_OBJECT and stat.S_ISREG(row["mode"]):
-            return self._object_xattr(inode, row)
+            return await self._object_xattr(inode, row)
         if not name.startswith(b"user."):
             raise _err(pyfuse3.ENOATTR)
         value = self.index.get_xattr(inode, name)

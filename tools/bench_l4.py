@@ -6,8 +6,10 @@ Per round, on real KV files (tests/data/kv, or --data DIR of .kv files), with fr
   demotion   files written and fsync'ed into a roomy L3 are remounted with an L3 of 1 MiB: the mover demotes all
              of them to L4 (4 moves in flight). Rate = stored bytes / (mount live → L4 holds them all).
   raw PUT    the same objects' bytes PUT by boto3 under another prefix, 4 threads (the mover's concurrency).
-  promotion  one byte of each file read from L4 by THREADS readers (promote always: the first read queues the
-             file's promotion; the mover copies the whole object, 4 moves in flight): rate = stored bytes / (first read → all on L2). Then every file is read whole and checked.
+  promotion  half the files: one byte of each read through the mount by THREADS readers (promote always: the
+             first read promotes the file: one whole-object GET, then served from L2); the other half read
+             whole by THREADS kvfs.direct readers, as the connector reads (locating a file promotes it, then
+             its L2 object is read past FUSE): rate = stored bytes / (first read → all on L2). Then every file is read whole and checked.
   raw GET    the same objects fetched whole by boto3, 4 threads.
   cold read  open+read+close latency of one file (p50 over the files) from L2, L3 (its object dropped from
              the page cache) and L4 (promote never), the mount's page cache dropped before each read.
@@ -32,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 from ceph_cluster import BUCKET, CephCluster  # noqa: E402
+
+from kvfs import direct  # noqa: E402
 
 THREADS = 4
 POLL_S = 0.02
@@ -99,6 +103,12 @@ def first_byte(path: Path) -> bytes:
         return f.read(1)
 
 
+def direct_read(path: Path) -> int:
+    """A reader as the connector: kvfs.direct locates the object (promoting it first) and reads it past FUSE."""
+    data, _ = direct.read_file(path)
+    return len(data)
+
+
 def wait_until(mount: Mount, done) -> tuple[float, dict]:
     while True:
         st = mount.stats()
@@ -162,22 +172,30 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
 
     # promotion: read each file once with promotion on
     m.start("--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
-    t0 = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # readers of one byte, THREADS at a time:
-        list(pool.map(first_byte, (m.mountpoint / n for n in names)))  # each read queues its file's promotion
-    t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == len(files) and not s["mover"]["moves_in_flight"])
-    promote_s = t_done - t0
-    t_clean, _ = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
+    halves = {"read": names[0::2], "direct": names[1::2]}
+    half_mb = {k: sum(len(files[names.index(n)]) for n in v) for k, v in halves.items()}
+    promote_s, t0 = {}, time.monotonic()
+    for how, reader in (("read", first_byte), ("direct", direct_read)):
+        start, want = time.monotonic(), m.stats()["tiers"]["L2"]["files"] + len(halves[how])
+        with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # THREADS readers: a file's first read
+            list(pool.map(reader, (m.mountpoint / n for n in halves[how])))  # promotes it
+        t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == want and not s["mover"]["moves_in_flight"])
+        promote_s[how] = t_done - start
+    t_clean, st = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
     cleaned_s = t_clean - t0
     for name, data in zip(names, files):
         read_checked(m.mountpoint / name, data)
     m.stop()
     mb = stored / 1e6
+    by_half = {how: stored * half_mb[how] / sum(half_mb.values()) / 1e6 for how in halves}  # stored MB each
     return {"files": len(files), "logical_bytes": sum(map(len, files)), "stored_bytes": stored,
             "demotion_MBps": mb / demote_s, "raw_put_MBps": mb / put_s,
-            "promotion_MBps": mb / promote_s, "raw_get_MBps": mb / get_s,
+            "promotion_MBps": by_half["read"] / promote_s["read"], "raw_get_MBps": mb / get_s,
+            "promotion_direct_MBps": by_half["direct"] / promote_s["direct"],
             "promotion_with_deletes_MBps": mb / cleaned_s,
-            "demotion_vs_put": put_s / demote_s, "promotion_vs_get": get_s / promote_s,
+            "demotion_vs_put": put_s / demote_s,
+            "promotion_vs_get": by_half["read"] / promote_s["read"] / (mb / get_s),
+            "promotion_direct_vs_get": by_half["direct"] / promote_s["direct"] / (mb / get_s),
             "cold_read_ms_p50": {t: statistics.median(v) * 1e3 for t, v in cold.items()}}
 
 
@@ -186,7 +204,8 @@ def report(rounds: list[dict], args) -> dict:
         return statistics.median(r[key] for r in rounds)
 
     summary = {k: med(k) for k in ("demotion_MBps", "raw_put_MBps", "promotion_MBps", "raw_get_MBps",
-                                   "demotion_vs_put", "promotion_vs_get", "promotion_with_deletes_MBps")}
+                                   "demotion_vs_put", "promotion_vs_get", "promotion_with_deletes_MBps",
+                                   "promotion_direct_MBps", "promotion_direct_vs_get")}
     summary["cold_read_ms_p50"] = {t: statistics.median(r["cold_read_ms_p50"][t] for r in rounds)
                                    for t in ("L2", "L3", "L4")}
     r0 = rounds[0]
@@ -195,7 +214,9 @@ def report(rounds: list[dict], args) -> dict:
           f"median of {len(rounds)} rounds")
     print(f"{'move':<12}{'kvfs MB/s':>11}{'boto3 MB/s':>12}{'kvfs/raw':>10}   target >= 0.80")
     for label, ours, raw, ratio in (("demotion", "demotion_MBps", "raw_put_MBps", "demotion_vs_put"),
-                                    ("promotion", "promotion_MBps", "raw_get_MBps", "promotion_vs_get")):
+                                    ("promotion", "promotion_MBps", "raw_get_MBps", "promotion_vs_get"),
+                                    ("promo direct", "promotion_direct_MBps", "raw_get_MBps",
+                                     "promotion_direct_vs_get")):
         verdict = "PASS" if summary[ratio] >= 0.8 else "MISS"
         print(f"{label:<12}{summary[ours]:>11.1f}{summary[raw]:>12.1f}{summary[ratio]:>10.2f}   {verdict}")
     print(f"promotion until the L4 copies are deleted too (background DELETEs): "
@@ -230,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             rounds = []
             for r in range(args.rounds):
                 rounds.append(one_round(r, files, cluster, base, s3))
-                print(f"round {r}: demotion {rounds[-1]['demotion_vs_put']:.2f}x raw PUT, "
-                      f"promotion {rounds[-1]['promotion_vs_get']:.2f}x raw GET", flush=True)
+                print(f"round {r}: demotion {rounds[-1]['demotion_vs_put']:.2f}x raw PUT, promotion "
+                      f"{rounds[-1]['promotion_vs_get']:.2f}x / {rounds[-1]['promotion_direct_vs_get']:.2f}x raw GET "
+                      f"(mount reads / kvfs.direct)", flush=True)
         finally:
             cluster.stop()
     doc = report(rounds, args)
