@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0  # the mover checks watermarks at least this often
 SETTLE_S = 1.0  # write policy through: a file is published this long after its last close
+DELETE_GATHER_S = 0.05  # a remote tier's deletions wait this long to go out together …
+DELETE_BATCH = 1000  # … up to this many per request (the S3 maximum)
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
 WARN_EVERY_S = 60.0
@@ -66,6 +68,7 @@ class Mover:
         self._moving = 0  # moves past their checks, not yet finished
         self._deleting = 0  # sources of finished moves being deleted in the background (remote tiers)
         self._background: trio.Nursery | None = None
+        self._doomed: dict[str, list[str]] = {}  # remote tier → ids of moved objects waiting for deletion
         self._conflicts: set[int] = set()  # files a shared L4 will not take (name published by another node)
         self.write_through = False  # publish every committed file to the shared L4 once it has settled
         self._settling: dict[int, float] = {}  # ino → when it may be published (write policy through)
@@ -317,17 +320,27 @@ class Mover:
             return
         self.store.release(ref.tier, ref.stored_bytes)
         self._deleting += 1
-        self._background.start_soon(self._delete_object, source, ref)
+        doomed = self._doomed.setdefault(source.name, [])
+        doomed.append(ref.object_id)
+        if len(doomed) == 1:  # no flusher running for this tier: start one
+            self._background.start_soon(self._delete_batches, source)
 
-    async def _delete_object(self, source: Tier, ref: ObjectRef) -> None:
-        try:
-            await self.store.io(source.name, source.delete, ref.object_id)
-        except Exception as e:  # a background task must not end the daemon: the object is an orphan now
-            self.counters.move_failures += 1
-            log.warning("deleting the moved object %s from %s failed: %s (reconcile removes it at the next "
-                        "start)", ref.object_id, source.name, e)
-        finally:
-            self._deleting -= 1
+    async def _delete_batches(self, source: Tier) -> None:
+        """Delete moved objects of a remote tier in batches (one multi-object DELETE for up to 1000): single
+        DELETEs slowed RGW's GETs by a third while promotions ran."""
+        doomed = self._doomed[source.name]
+        while doomed:
+            await trio.sleep(DELETE_GATHER_S)
+            batch = doomed[:DELETE_BATCH]
+            try:
+                await self.store.io(source.name, source.delete_many, batch)
+            except Exception as e:  # a background task must not end the daemon: the objects are orphans now
+                self.counters.move_failures += len(batch)
+                log.warning("deleting %d moved objects from %s failed: %s (reconcile removes them at the next "
+                            "start)", len(batch), source.name, e)
+            finally:
+                del doomed[:len(batch)]
+                self._deleting -= len(batch)
 
     def _move_failed(self, ino: int, ref: ObjectRef, dest: Tier, e: Exception) -> None:
         self.counters.move_failures += 1

@@ -90,6 +90,11 @@ class Tier(abc.ABC):
     def delete(self, object_id: str) -> None:
         """Remove the object; absent objects are not an error."""
 
+    def delete_many(self, object_ids: list[str]) -> None:
+        """Remove several objects (a remote store does it in one request)."""
+        for object_id in object_ids:
+            self.delete(object_id)
+
     @abc.abstractmethod
     def scan(self) -> Iterator[ObjectInfo]:
         """Every complete object held (temp files excluded)."""

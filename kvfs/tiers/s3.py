@@ -256,6 +256,15 @@ class S3Tier(Tier):
     def delete(self, object_id: str) -> None:
         self._call("delete", self.client.delete_object, Bucket=self.location.bucket, Key=self._key(object_id))
 
+    def delete_many(self, object_ids: list[str]) -> None:
+        for i in range(0, len(object_ids), 1000):
+            keys = [{"Key": self._key(oid)} for oid in object_ids[i:i + 1000]]
+            answer = self._call("delete", self.client.delete_objects, Bucket=self.location.bucket,
+                                Delete={"Objects": keys, "Quiet": True})
+            errors = [e for e in answer.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise S3Unavailable(f"L4 delete of {len(errors)} objects", RuntimeError(errors[0].get("Message", "")))
+
     def scan(self) -> Iterator[ObjectInfo]:
         if self.location.shared:
             return  # other nodes' files are not this mount's orphans: a shared prefix is managed by kvfs gc
