@@ -181,10 +181,15 @@ def kv_samples(dtype: str) -> list[Path]:
 def ceph(tmp_path_factory):
     """A real one-host Ceph cluster (1 memstore OSD, RGW on 127.0.0.1:7480) for the whole session; every test
     that uses it works under its own bucket prefix. tools/install_ceph.sh installs the packages (CI runs it)."""
+    yield from running_ceph(tmp_path_factory.mktemp("ceph"))
+
+
+def running_ceph(root: Path, **options):
+    """A fixture body: a cluster started in `root` (tools/ceph_cluster.py options), stopped afterwards."""
     sys.path.insert(0, str(REPO / "tools"))
     from ceph_cluster import CephCluster
 
-    cluster = CephCluster(tmp_path_factory.mktemp("ceph"))
+    cluster = CephCluster(root, **options)
     try:
         cluster.start()
     except Exception:

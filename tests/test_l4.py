@@ -10,11 +10,10 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from conftest import KvfsMount, kv_samples, s3_client
+from conftest import KvfsMount, kv_samples, running_ceph, s3_client
 from kvfs import config as cfg
 from kvfs.tiers.s3 import S3Location
 
@@ -54,6 +53,15 @@ def settle(m: KvfsMount, timeout: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
+def fill(m: KvfsMount, first: int, n: int = 10, folder: str = "") -> dict[str, bytes]:
+    """Write n distinct real-KV files (sample_bytes(first), …) and wait until the mover has placed them."""
+    files = {f"{folder}f{i}.kv": sample_bytes(i + first) for i in range(n)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    settle(m)
+    return files
+
+
 def tier_of(path) -> str:
     return os.getxattr(path, "user.kvfs.tier").decode()
 
@@ -68,10 +76,8 @@ def test_l3_demotes_to_l4_and_reads_come_back(make_mount, ceph):
     file reads back exactly, and a file read from L4 is promoted to L2."""
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     m = start_with_l4(make_mount(), ceph, prefix)
-    files = {f"f{i}.kv": sample_bytes(i) for i in range(10)}
-    for name, data in files.items():
-        write(m.path(name), data)
-    st = settle(m)["tiers"]  # the mover drains in the background
+    files = fill(m, 0)  # the mover drains in the background
+    st = settle(m)["tiers"]
     tiers = {name: tier_of(m.path(name)) for name in files}
     assert "L4" in tiers.values(), tiers
     keys = l4_keys(ceph, prefix)
@@ -96,10 +102,7 @@ def test_l4_files_survive_a_restart(make_mount, ceph):
     reboot) loses only what was there."""
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     m = start_with_l4(make_mount(), ceph, prefix)
-    files = {f"f{i}.kv": sample_bytes(i + 20) for i in range(10)}
-    for name, data in files.items():
-        write(m.path(name), data)
-    settle(m)
+    files = fill(m, 20)
     in_l4 = {name for name in files if tier_of(m.path(name)) == "L4"}
     assert in_l4
     assert m.stop() == 0
@@ -144,10 +147,7 @@ def test_corrupt_l4_object_is_an_error_not_data(make_mount, ceph):
     object is kept aside under quarantine/, where no restart adopts it."""
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never")
-    files = {f"f{i}.kv": sample_bytes(i + 40) for i in range(10)}
-    for name, data in files.items():
-        write(m.path(name), data)
-    settle(m)
+    files = fill(m, 40)
     victim = next(name for name in files if tier_of(m.path(name)) == "L4")
     stored = int(os.getxattr(m.path(victim), "user.kvfs.stored_bytes"))
     s3 = s3_client(ceph)
@@ -192,10 +192,7 @@ def test_directory_l4(make_mount, tmp_path):
     m = make_mount()
     l4 = tmp_path / "shared-fs"
     m.start("--l3", f"{tmp_path / 'l3'}:8M", "--l4", str(l4), l2_size="8M")
-    files = {f"f{i}.kv": sample_bytes(i + 60) for i in range(10)}
-    for name, data in files.items():
-        write(m.path(name), data)
-    settle(m)
+    files = fill(m, 60)
     assert "L4" in {tier_of(m.path(name)) for name in files}
     assert m.stats()["tiers"]["L4"]["files"] == len([p for p in l4.glob("*/*") if p.is_file()]) > 0
     for name, data in files.items():
@@ -241,10 +238,7 @@ def test_store_down_fails_fast_writes_go_on_and_it_recovers(make_mount, ceph, tm
     toml = tmp_path / "kvfs.toml"
     toml.write_text("[l4]\nbreaker_failures = 2\nprobe_s = 1\n")
     m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never", "--config", str(toml))
-    files = {f"f{i}.kv": sample_bytes(i + 80) for i in range(10)}
-    for name, data in files.items():
-        write(m.path(name), data)
-    settle(m)
+    files = fill(m, 80)
     remote = [name for name in files if tier_of(m.path(name)) == "L4"]
     local = next(name for name in files if tier_of(m.path(name)) == "L2")
     demoted = m.stats()["tiers"]["L3"]["demoted_files"]
@@ -296,10 +290,7 @@ def test_hung_store_answers_eio_at_the_deadline(make_mount, ceph, tmp_path):
     toml = tmp_path / "kvfs.toml"
     toml.write_text("[l4]\ndeadline_s = 2\ntimeout_s = 30\nprobe_s = 1\n")
     m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never", "--config", str(toml))
-    files = {f"f{i}.kv": sample_bytes(i + 140) for i in range(10)}
-    for name, data in files.items():
-        write(m.path(name), data)
-    settle(m)
+    files = fill(m, 140)
     remote = next(name for name in files if tier_of(m.path(name)) == "L4")
     ceph.pause_rgw()
     try:
@@ -324,18 +315,8 @@ def test_hung_store_answers_eio_at_the_deadline(make_mount, ceph, tmp_path):
 @pytest.fixture(scope="module")
 def replicated_ceph(tmp_path_factory):
     """A cluster of 3 bluestore OSDs with 3-way replication, beside the session's cluster (other ports)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from ceph_cluster import CephCluster
-
-    cluster = CephCluster(tmp_path_factory.mktemp("ceph3"), osds=3, store="bluestore", port=7481,
-                          mon_ports=(3301, 6790))
-    try:
-        cluster.start()
-    except Exception:
-        cluster.stop()
-        raise
-    yield cluster
-    cluster.stop()
+    yield from running_ceph(tmp_path_factory.mktemp("ceph3"), osds=3, store="bluestore", port=7481,
+                            mon_ports=(3301, 6790))
 
 
 def test_an_osd_killed_mid_run_loses_nothing(make_mount, replicated_ceph):
@@ -391,10 +372,7 @@ def test_mounts_share_one_prefix(make_mount, ceph):
     write(b.path("ns", "ab", "same.kv"), sample_bytes(299))  # B's version of a name, not published yet
     a.path("ns", "ab").mkdir(parents=True)
     write(a.path("ns", "ab", "same.kv"), sample_bytes(300))
-    files = {f"ns/ab/f{i}.kv": sample_bytes(i + 200) for i in range(10)}
-    for name, data in files.items():
-        write(a.path(name), data)
-    settle(a)
+    files = fill(a, 200, folder="ns/ab/")
     published = [name for name in files if tier_of(a.path(name)) == "L4"]
     assert published and tier_of(a.path("ns/ab/same.kv")) == "L4"
     keys = l4_keys(ceph, prefix)
