@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .config import CODECS, DTYPES, ConfigError, build_config
+from .stats import human_bytes as _human
 
 MOUNT_WAIT_S = 30.0
 
@@ -43,6 +44,9 @@ def main() -> None:
                    "published to the shared L4 a second after its last close")
 @click.option("--promote", metavar="POLICY",
               help="when a file read from L3 moves back to L2: always (default), never, or a number of reads")
+@click.option("--idle", metavar="DURATION",
+              help="idle policy: a file not read for DURATION (e.g. 10m) goes down a tier, one more per further "
+                   "DURATION; off (default); per file or directory: user.kvfs.idle")
 @click.option("--codec", type=click.Choice(CODECS),
               help="codec for new frames (default auto: per file, the smallest on a sample; entropy = the "
                    "2-byte-float coder); qat = deflate on Intel QAT via QATzip, deflate = the same format through ISA-L")
@@ -58,15 +62,19 @@ def main() -> None:
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
-def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_write, promote, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
-          log_file, debug):
+@click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (docs/metrics.md)")
+@click.option("--metrics-address", metavar="ADDR", help="address the metrics port binds to (default 127.0.0.1)")
+def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
+          log_file, debug, metrics_port, metrics_address):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
                            l4_path_style=l4_path_style, l4_shared=l4_shared, l4_write=l4_write,
-                           promote=promote, codec=codec,
+                           promote=promote, idle=idle, codec=codec,
                            dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
-                           debug=debug, log_file=log_file)
+                           debug=debug, log_file=log_file, metrics_port=metrics_port,
+                           metrics_address=metrics_address)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if cfg.codec == "qat":
@@ -149,7 +157,7 @@ def gc(url, max_size, max_age, dry_run, config_file):
 
     Run by one owner (a timer), never by the mounts; reads logged by every mount count as uses."""
     from . import gc as gc_mod
-    from .config import load_toml, parse_size, _l4_config
+    from .config import _l4_config, load_toml, parse_duration, parse_size
 
     if not max_size and not max_age:
         raise click.UsageError("give --max-size, --max-age or both")
@@ -158,7 +166,7 @@ def gc(url, max_size, max_age, dry_run, config_file):
         section = {k: v for k, v in section.items() if k not in ("url", "capacity")}
         tier = _l4_config({**section, "shared": True}, url, None, None)
         max_bytes = parse_size(max_size) if max_size else None
-        max_age_s = gc_mod.parse_duration(max_age) if max_age else None
+        max_age_s = parse_duration(max_age) if max_age else None
     except (ConfigError, ValueError) as e:
         raise click.UsageError(str(e)) from None
     if tier is None or tier.s3 is None:
@@ -224,19 +232,66 @@ def stat_cmd(mountpoint, as_json):
     console.print(counters)
 
 
+@main.command()
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="seconds between refreshes")
+@click.option("--count", type=click.IntRange(min=1), help="stop after N refreshes (default: until Ctrl-C)")
+@click.option("--plain", is_flag=True, help="print the view at each refresh instead of redrawing it "
+                                            "(the default when stdout is not a terminal)")
+def top(mountpoint, interval, count, plain):
+    """A live view of a mounted kvfs: tiers, hits, moves and throughput, refreshed every INTERVAL seconds."""
+    from . import top as top_view
+
+    try:
+        top_view.run(mountpoint, interval, count, plain)
+    except top_view.NotAMount as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.argument("mountpoint", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--repair", is_flag=True,
+              help="drop files whose object is corrupt or missing (a miss), adopt complete copies, remove orphans")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="offline: the TOML of an unmounted kvfs ([mount] mountpoint or state_dir, tier paths)")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="offline: where the index lives")
+@click.option("--l2", metavar="DIR:SIZE", help="offline: the L2 tier, as for kvfs mount")
+@click.option("--l3", metavar="DIR:SIZE", help="offline: the L3 tier, as for kvfs mount")
+@click.option("--l4", metavar="s3://BUCKET/PREFIX|DIR", help="offline: the L4 tier, as for kvfs mount")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def fsck(mountpoint, repair, config_file, state_dir, l2, l3, l4, as_json):
+    """Verify every object's checksums and the index against the tiers; --repair fixes what is found.
+
+    With MOUNTPOINT the mount's daemon checks while it serves; without it (--config FILE, or --state-dir and
+    --l2) an unmounted state directory is checked. Exit status: 0 clean, 1 errors found and all repaired,
+    4 errors left uncorrected, 8 the check could not run. See docs/fsck.md."""
+    from . import cli_fsck
+
+    offline_options = config_file or state_dir or l2 or l3 or l4
+    if mountpoint is not None:
+        if offline_options:
+            raise click.UsageError("a mounted kvfs is checked by its daemon: give MOUNTPOINT alone")
+        sys.exit(cli_fsck.live(mountpoint, repair, as_json))
+    if not offline_options:
+        raise click.UsageError("give MOUNTPOINT (a mounted kvfs) or --config FILE (an unmounted one)")
+    try:
+        cfg = build_config(None, config_file=config_file, l2=l2, l3=l3, l4=l4, state_dir=state_dir)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(cli_fsck.offline(cfg, repair, as_json))
+
+
 def _moved(files: int, nbytes: int) -> str:
     return f"{files} ({_human(nbytes)})" if files else "0"
 
 
-def _human(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from .cli_hotcold import COMMANDS as _HOTCOLD  # noqa: E402  (commands of their own module)
 
+for _command in _HOTCOLD:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,35 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | int | float) -> float:
+    """'90s', '30m', '12h', '7d' or plain seconds → seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"not a duration: {text!r}")
+        return float(text)
+    m = _DURATION_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 30m, 12h, 7d)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def parse_idle(text: str | int | float) -> int:
+    """An idle period (I8): a duration in whole seconds, at least 1; 'off', 'never' or 0 = never."""
+    if str(text).strip().lower() in ("off", "never", "none", "0"):
+        return 0
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise ConfigError(f"idle period: {e}, or off") from None
+    if seconds < 1:
+        raise ConfigError(f"idle period {text!r} is under a second: the mover looks once a second")
+    return int(seconds)
+
+
 def parse_tier_spec(spec: str) -> tuple[Path, int]:
     """'DIR:SIZE' → (Path, bytes). The size follows the last colon."""
     path, sep, size = spec.rpartition(":")
@@ -91,12 +120,13 @@ class PromotionPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    mountpoint: Path
+    mountpoint: Path | None  # None only for offline tools (kvfs fsck --config) given no mountpoint
     state_dir: Path
     l2: TierConfig
     l3: TierConfig | None = None
     l4: TierConfig | None = None
     promotion: PromotionPolicy = PromotionPolicy()
+    idle_s: int = 0  # the default idle policy (I8): files not read for k*idle_s seconds sit k tiers down; 0 = off
     codec: str = "auto"
     dtype: str = "auto"
     lossy: str = "none"  # opt-in lossy mode for every file whose dtype is known (kvfs/lossy.py)
@@ -106,6 +136,8 @@ class Config:
     foreground: bool = False
     debug: bool = False
     log_file: Path | None = None
+    metrics_port: int | None = None  # Prometheus metrics on metrics_address:metrics_port (kvfs/metrics.py)
+    metrics_address: str = "127.0.0.1"
 
     @property
     def lossy_mode(self) -> lossy.Lossy:
@@ -243,7 +275,7 @@ def load_toml(path: Path) -> dict:
 
 
 def build_config(
-    mountpoint: str | Path,
+    mountpoint: str | Path | None,
     *,
     config_file: str | Path | None = None,
     l2: str | None = None,
@@ -254,6 +286,7 @@ def build_config(
     l4_shared: bool | None = None,
     l4_write: str | None = None,
     promote: str | None = None,
+    idle: str | None = None,
     codec: str | None = None,
     dtype: str | None = None,
     lossy_mode: str | None = None,
@@ -262,17 +295,23 @@ def build_config(
     foreground: bool = False,
     debug: bool = False,
     log_file: str | Path | None = None,
+    metrics_port: int | None = None,
+    metrics_address: str | None = None,
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
-    mnt = Path(mountpoint).expanduser()
     toml = load_toml(Path(config_file)) if config_file else {}
     unknown = set(toml) - {"mount", "l2", "l3", "l4"}
     if unknown:
         raise ConfigError(f"unknown config sections: {sorted(unknown)}")
     mount_t = toml.get("mount", {})
+    mountpoint = mountpoint if mountpoint is not None else mount_t.get("mountpoint")
+    mnt = Path(mountpoint).expanduser() if mountpoint else None
     sdir = state_dir or mount_t.get("state_dir")
+    if mnt is None and not (sdir and (l2 or "path" in toml.get("l2", {}))):
+        raise ConfigError("no mountpoint: set mountpoint in [mount] (or state_dir there and path in [l2])")
     sdir = Path(sdir).expanduser() if sdir else default_state_dir(mnt)
-    l2_tier = _tier_config("L2", toml.get("l2", {}), l2, default_l2_dir(mnt), DEFAULT_L2_CAPACITY, False)
+    l2_tier = _tier_config("L2", toml.get("l2", {}), l2, default_l2_dir(mnt) if mnt else None,
+                           DEFAULT_L2_CAPACITY, False)
     if l2_tier is None:
         raise ConfigError("L2 cannot be disabled")
     l3_tier = _tier_config("L3", toml.get("l3", {}), l3, default_l3_dir(sdir), DEFAULT_L3_CAPACITY, True)
@@ -283,6 +322,7 @@ def build_config(
             t is not None and t.path.resolve() == l4_tier.path.resolve() for t in (l2_tier, l3_tier)):
         raise ConfigError("L4 must be a directory of its own")
     promotion = PromotionPolicy.parse(promote or mount_t.get("promote", "always"))
+    idle_s = parse_idle(idle if idle is not None else mount_t.get("idle", 0))
 
     codec = codec or mount_t.get("codec", "auto")
     if codec not in CODECS:
@@ -300,6 +340,7 @@ def build_config(
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
     max_dirty = parse_size(mount_t["max_dirty"]) if "max_dirty" in mount_t else default_max_dirty()
     lfile = log_file or mount_t.get("log_file")
+    port = _metrics_port(metrics_port if metrics_port is not None else mount_t.get("metrics_port"))
     return Config(
         mountpoint=mnt,
         state_dir=sdir,
@@ -307,6 +348,7 @@ def build_config(
         l3=l3_tier,
         l4=l4_tier,
         promotion=promotion,
+        idle_s=idle_s,
         codec=codec,
         dtype=dtype,
         lossy=lossy_spec,
@@ -316,4 +358,14 @@ def build_config(
         foreground=foreground,
         debug=debug or bool(mount_t.get("debug", False)),
         log_file=Path(lfile).expanduser() if lfile else None,
+        metrics_port=port,
+        metrics_address=str(metrics_address or mount_t.get("metrics_address", "127.0.0.1")),
     )
+
+
+def _metrics_port(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
+        raise ConfigError(f"metrics_port must be a port number 1..65535, got {value!r}")
+    return value

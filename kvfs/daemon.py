@@ -17,7 +17,7 @@ import sys
 import pyfuse3
 import trio
 
-from . import native_stderr
+from . import metrics, native_stderr, sdnotify
 from .codecs import qat
 from .codecs.qat import QatCodec
 from .config import Config
@@ -104,7 +104,7 @@ def run(config: Config) -> int:
     qat_codec = _load_qat() if config.codec == "qat" else None
     store = Store(tiers)
     locks = InodeLocks()
-    mover = Mover(store, index, config.tiers, config.promotion, counters, locks)
+    mover = Mover(store, index, config.tiers, config.promotion, counters, locks, config.idle_s)
     store.place = mover.place
     mover.write_through = any(t.s3 is not None and t.s3.write_policy == "through" for t in config.tiers)
     ops = Operations(config, index, store, mover, locks, counters)
@@ -117,15 +117,26 @@ def run(config: Config) -> int:
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if config.allow_other:
         options.add("allow_other")
-    pyfuse3.init(ops, str(config.mountpoint), options)
+    exporter = None  # bound before mounting: a port in use fails the mount, not a live one
+    if config.metrics_port is not None:
+        exporter = metrics.start(ops.stats_doc, ops.latency, config.metrics_address, config.metrics_port)
+    try:
+        pyfuse3.init(ops, str(config.mountpoint), options)
+    except RuntimeError as e:  # libfuse said why on stderr (the log): no access to /dev/fuse, not permitted, …
+        if exporter is not None:
+            exporter.close()
+        raise SystemExit(f"kvfs: mounting {config.mountpoint} failed ({e}): see the lines above") from None
     log.info("mounted %s (%s; codec %s, promotion %s, %d files)", config.mountpoint,
              ", ".join(f"{t.name} {t.describe()} {_capacity(t.capacity)}" for t in config.tiers), config.codec,
              config.promotion, sum(t.files for t in tiers))
+    sdnotify.notify("READY=1", f"STATUS=mounted {config.mountpoint}")
     clean = False
     try:
-        trio.run(_serve, ops, index, mover)
+        trio.run(_serve, ops, index, mover, exporter)
         clean = True
     finally:
+        if exporter is not None:
+            exporter.close()
         pyfuse3.close(unmount=True)
         index.close()
         os.close(lock_fd)
@@ -181,9 +192,11 @@ def _warn_if_disk_smaller(tiers: list[Tier]) -> None:
                         "disk", tier.name, tier.capacity >> 20, tier.root, room >> 20)
 
 
-async def _serve(ops: Operations, index: Index, mover: Mover) -> None:
+async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.Exporter | None = None) -> None:
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
+        if exporter is not None:
+            exporter.attach(trio.lowlevel.current_trio_token())
         nursery.start_soon(_watch_signals)
         nursery.start_soon(mover.run)
         nursery.start_soon(_flush_periodically, index, ops.counters)
@@ -191,6 +204,7 @@ async def _serve(ops: Operations, index: Index, mover: Mover) -> None:
             nursery.start_soon(ops.shared.log_reads_periodically, ops.shared.tier.location.access_log_s)
         await pyfuse3.main()
         # main() returned: the kernel unmounted us, or a signal asked us to stop
+        sdnotify.notify("STOPPING=1", f"STATUS=unmounting {ops.config.mountpoint}")
         await ops.commit_all()
         if ops.shared is not None:
             with trio.move_on_after(10):

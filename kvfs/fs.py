@@ -2,7 +2,8 @@
 
 Every handler runs under `_guard`, which turns anything unexpected into a logged EIO so no request can
 kill the mount. Regular-file content goes through openfile.OpenFile; names and attributes through
-index.Index. A virtual read-only directory `.kvfs/` (inodes 2, 3) serves live statistics.
+index.Index. A virtual read-only directory `.kvfs/` (inodes 2-4) serves live statistics and the fsck
+status; setxattr(.kvfs, user.kvfs.fsck) starts an fsck job (kvfs/fsck_live.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import trio
 
 from . import direct
 from . import lossy as lossy_modes
+from . import metrics
 from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
+from .fsck_live import XA_FSCK, LiveFsck, Refused
+from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
 from .locks import InodeLocks
 from .mover import Mover
@@ -33,8 +37,11 @@ log = logging.getLogger(__name__)
 
 KVFS_DIR_INODE = 2
 STATS_INODE = 3
+FSCK_INODE = 4  # .kvfs/fsck: the current or last fsck job (kvfs/fsck_live.py)
+VIRTUAL_INODES = (KVFS_DIR_INODE, STATS_INODE, FSCK_INODE)
 KVFS_DIR_NAME = b".kvfs"
 STATS_NAME = b"stats"
+FSCK_NAME = b"fsck"
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
@@ -122,6 +129,9 @@ class Operations(pyfuse3.Operations):
         self.started = time.monotonic()
         self.qat = None  # the QATzip codec when loaded (its mode is shown in the stats)
         self.shared = None  # kvfs.shared.SharedNamespace when L4 is a shared prefix
+        self.hotcold = HotCold(index, store, mover, counters, self.drop_file)  # pin, tier, prefetch, drop, idle
+        self.latency = metrics.RequestLatency()  # read/write durations, exported with --metrics-port
+        self.fsck = LiveFsck(self)  # fsck jobs started through setxattr on .kvfs
 
     def open_files_get(self, ino: int) -> OpenFile | None:
         return self.open_files.get(ino)
@@ -157,7 +167,10 @@ class Operations(pyfuse3.Operations):
         a.st_ino = ino
         a.entry_timeout = TIMEOUT
         a.attr_timeout = TIMEOUT
-        a.st_mode = (stat.S_IFDIR | 0o555) if ino == KVFS_DIR_INODE else (stat.S_IFREG | 0o444)
+        # .kvfs is writable by its owner only for the control xattr (setxattr needs write permission);
+        # the fsck report names files, so it is the owner's alone
+        a.st_mode = {KVFS_DIR_INODE: stat.S_IFDIR | 0o755, FSCK_INODE: stat.S_IFREG | 0o400}.get(
+            ino, stat.S_IFREG | 0o444)
         a.st_nlink = 2 if ino == KVFS_DIR_INODE else 1
         a.st_uid, a.st_gid = os.getuid(), os.getgid()
         a.st_blksize = BLOCK
@@ -185,7 +198,7 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.ENAMETOOLONG)
 
     def _check_mutable_dir(self, parent: int, name: bytes | None = None) -> None:
-        if parent in (KVFS_DIR_INODE, STATS_INODE) or (parent == ROOT_INODE and name == KVFS_DIR_NAME):
+        if parent in VIRTUAL_INODES or (parent == ROOT_INODE and name == KVFS_DIR_NAME):
             raise _err(errno.EPERM)
 
     # -- lookup and lifetime -----------------------------------------------------------------------
@@ -196,6 +209,8 @@ class Operations(pyfuse3.Operations):
         if parent_inode == KVFS_DIR_INODE:
             if name == STATS_NAME:
                 return self._virtual_attrs(STATS_INODE)
+            if name == FSCK_NAME:
+                return self._virtual_attrs(FSCK_INODE)
             if name in (b".", b".."):
                 return self._virtual_attrs(KVFS_DIR_INODE) if name == b"." else self._entry(ROOT_INODE)
             raise _err(errno.ENOENT)
@@ -208,6 +223,7 @@ class Operations(pyfuse3.Operations):
         if ino is None and self.shared is not None:
             ino = await self.shared.lookup(parent_inode, name)
         if ino is None:
+            self.counters.lookup_misses += 1
             raise _err(errno.ENOENT)
         return self._entry(ino)
 
@@ -237,13 +253,13 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def getattr(self, inode, ctx=None):
-        if inode in (KVFS_DIR_INODE, STATS_INODE):
+        if inode in VIRTUAL_INODES:
             return self._virtual_attrs(inode)
         return self._attrs(self._row(inode))
 
     @_guard
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if inode in (KVFS_DIR_INODE, STATS_INODE):
+        if inode in VIRTUAL_INODES:
             raise _err(errno.EPERM)
         row = self._row(inode)
         now = time.time_ns()
@@ -346,10 +362,11 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def open(self, inode, flags, ctx):
-        if inode == STATS_INODE:
+        if inode in (STATS_INODE, FSCK_INODE):
             if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
                 raise _err(errno.EACCES)
-            fh = self._new_handle(Handle(inode, None, flags, self.render_stats()))
+            snapshot = self.render_stats() if inode == STATS_INODE else self.fsck.render()
+            fh = self._new_handle(Handle(inode, None, flags, snapshot))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         row = self._row(inode)
         if stat.S_ISDIR(row["mode"]):
@@ -383,6 +400,7 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def read(self, fh, off, size):
+        started = time.perf_counter()
         h = self._handle(fh)
         if h.state is None:
             return h.snapshot[off:off + size]
@@ -399,6 +417,7 @@ class Operations(pyfuse3.Operations):
         data = await h.state.read(off, size)
         self.counters.read_requests += 1
         self.counters.bytes_read += len(data)
+        self.latency.read.observe(time.perf_counter() - started)
         return data
 
     def _read_through(self, ref) -> bool:
@@ -409,12 +428,14 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def write(self, fh, off, buf):
+        started = time.perf_counter()
         h = self._handle(fh)
         if h.state is None:
             raise _err(errno.EBADF)
         n = await h.state.write(off, buf)
         self.counters.write_requests += 1
         self.counters.bytes_written += n
+        self.latency.write.observe(time.perf_counter() - started)
         return n
 
     @_guard
@@ -565,8 +586,9 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         # cookies: 1 = the virtual .kvfs entry in the root; entry id + 1 for real entries
         if fh == KVFS_DIR_INODE:
-            if start_id < 1:
-                pyfuse3.readdir_reply(token, STATS_NAME, self._virtual_attrs(STATS_INODE), 1)
+            for cookie, (name, ino) in enumerate(((STATS_NAME, STATS_INODE), (FSCK_NAME, FSCK_INODE)), 1):
+                if start_id < cookie and not pyfuse3.readdir_reply(token, name, self._virtual_attrs(ino), cookie):
+                    return
             return
         if fh == ROOT_INODE and start_id < 1:
             if not pyfuse3.readdir_reply(token, KVFS_DIR_NAME, self._virtual_attrs(KVFS_DIR_INODE), 1):
@@ -645,13 +667,20 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def getxattr(self, inode, name, ctx):
-        if inode in (KVFS_DIR_INODE, STATS_INODE):
+        if inode in VIRTUAL_INODES:
+            if inode == KVFS_DIR_INODE and name == XA_FSCK:
+                return self.fsck.status()
             raise _err(pyfuse3.ENOATTR)
         row = self._row(inode)
         if name in INFO_XATTRS and stat.S_ISREG(row["mode"]):
             return self._info_xattr(row, name)
         if name == XA_OBJECT and stat.S_ISREG(row["mode"]):
             return await self._object_xattr(inode, row)
+        if name in REQUEST_XATTRS:
+            value = self.hotcold.read(inode, name)
+            if value is None:
+                raise _err(pyfuse3.ENOATTR)
+            return value
         if not name.startswith(b"user."):
             raise _err(pyfuse3.ENOATTR)
         value = self.index.get_xattr(inode, name)
@@ -661,7 +690,7 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def listxattr(self, inode, ctx):
-        if inode in (KVFS_DIR_INODE, STATS_INODE):
+        if inode in VIRTUAL_INODES:
             return []
         row = self._row(inode)
         names = self.index.list_xattrs(inode)
@@ -671,7 +700,14 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def setxattr(self, inode, name, value, ctx):
-        if inode in (KVFS_DIR_INODE, STATS_INODE):
+        if inode in VIRTUAL_INODES:
+            if inode == KVFS_DIR_INODE and name == XA_FSCK:
+                try:
+                    self.fsck.request(bytes(value), ctx.uid)
+                except Refused as e:
+                    log.info("fsck request %r refused: %s", bytes(value)[:20], e.reason)
+                    raise _err(e.errno) from None
+                return
             raise _err(errno.EPERM)
         self._row(inode)
         if len(name) > XATTR_NAME_MAX:
@@ -680,6 +716,13 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.E2BIG)
         if not name.startswith(b"user."):
             raise _err(errno.EOPNOTSUPP)
+        if name in REQUEST_XATTRS:
+            try:
+                await self.hotcold.request(inode, name, bytes(value))
+            except RequestError as e:
+                log.info("%s=%r on inode %d refused: %s", name.decode(), bytes(value)[:20], inode, e.strerror)
+                raise _err(e.errno) from None
+            return
         if name in IGNORED_XATTRS:
             return  # informational, recomputed by kvfs: copying files with their xattrs must not fail
         if name == XA_DTYPE:
@@ -720,10 +763,16 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def removexattr(self, inode, name, ctx):
-        if inode in (KVFS_DIR_INODE, STATS_INODE):
+        if inode in VIRTUAL_INODES:
             raise _err(errno.EPERM)
         self._row(inode)
-        if name in IGNORED_XATTRS:
+        if name == XA_PIN:
+            self.hotcold.pin(inode, False)
+            return
+        if name == XA_IDLE:
+            self.hotcold.set_idle(inode, None)  # back to the mount's default
+            return
+        if name in IGNORED_XATTRS or name in REQUEST_XATTRS:
             return
         if not self.index.remove_xattr(inode, name):
             raise _err(pyfuse3.ENOATTR)
@@ -783,6 +832,36 @@ class Operations(pyfuse3.Operations):
         if where:
             log.warning("corrupt object %s kept aside as %s", ref.object_id, where)
 
+    async def drop_file(self, ino: int) -> bool:
+        """A drop request (user.kvfs.drop): the file leaves every tier now and its names go (the next lookup
+        misses). A published file's shared object goes too, if it is still the one this node read. An open
+        file keeps its data for its handles until the last one closes, as after unlink."""
+        async with self.locks.holding(ino, wait=True):
+            row = self.index.get(ino)
+            if row is None or not stat.S_ISREG(row["mode"]) or row["nlink"] == 0:
+                return False
+            if row["published_key"] and self.shared is not None:
+                tier = self.shared.tier
+                await self.store.io(tier.name, tier.delete_if, row["published_key"], row["published_etag"])
+            names = self.index.entries_of(ino)
+            ref = ObjectRef.of_row(row)
+            if ino in self.open_files:
+                self.index.drop_file(ino)  # the object goes at the last release (_maybe_delete)
+            else:
+                self.index.drop_file(ino, forget_object=True)
+                if ino not in self.lookups:
+                    self.index.delete_inode(ino)
+                if ref is not None and ref.key is not None:
+                    self.store.release(ref.tier, ref.stored_bytes)
+                elif ref is not None:
+                    await self.store.delete(ref)
+            if ref is not None:
+                c = self.counters.tier(ref.tier)
+                c.dropped_files += 1
+                c.dropped_bytes += ref.stored_bytes
+        await self.forget_names(ino, names)
+        return True
+
     def drop_evicted(self, ino: int) -> list[tuple[int, bytes]]:
         """The mover evicts a file: its names and its object reference go from the index. Returns the names,
         for `forget_names` once the object is deleted."""
@@ -803,11 +882,15 @@ class Operations(pyfuse3.Operations):
                     log.debug("invalidating %r of inode %d failed", name, ino, exc_info=True)
 
     def render_stats(self) -> bytes:
-        return stats_mod.render(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
-                                config=self.config, started=self.started, open_files=len(self.open_files),
-                                dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
-                                mover=self.mover.status(),
-                                qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"})
+        return stats_mod.to_json(self.stats_doc())
+
+    def stats_doc(self) -> dict:
+        """The statistics document (.kvfs/stats, metrics); on the trio thread: the index belongs to it."""
+        return stats_mod.document(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
+                                  config=self.config, started=self.started, open_files=len(self.open_files),
+                                  dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
+                                  mover=self.mover.status(),
+                                  qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"})
 
     async def commit_all(self) -> None:
         """At shutdown: commit files still open with unsaved writes (best effort, logged)."""

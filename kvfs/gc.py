@@ -12,22 +12,9 @@ it gone at its next read: a miss (ENOENT), never an error.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 
 from .tiers.s3 import ACCESS, FILES, S3Location, S3Tier
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> float:
-    """'90s', '30m', '12h', '7d' or plain seconds → seconds."""
-    m = _DURATION.match(text)
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
 
 @dataclasses.dataclass
 class GcReport:

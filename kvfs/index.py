@@ -36,6 +36,10 @@ SCHEMA = """
 -- I7  published_key (a shared L4's 'files/<path>') marks a file published there: immutable, its object in
 --     the shared store under that key with ETag published_etag. While obj_tier is that L4 the key is the
 --     object's id (I3's '<ino hex>-<obj_gen>' names local copies only); a local copy may exist meanwhile.
+-- I8  pinned = 1 files belong in the fastest tier: the mover promotes them there and never demotes or evicts
+--     them (a drop still removes them). Their stored bytes together stay within that tier's pin limit.
+--     idle_policy_s: NULL = the mount's default, 0 = never, T > 0 = a file not read for k*T seconds sits
+--     at least k tiers below the fastest. New entries take their directory's idle_policy_s at create.
 CREATE TABLE IF NOT EXISTS inodes (
     id             INTEGER PRIMARY KEY AUTOINCREMENT,
     mode           INTEGER NOT NULL,
@@ -54,8 +58,8 @@ CREATE TABLE IF NOT EXISTS inodes (
     codec          TEXT,
     transform      TEXT,
     last_access_ns INTEGER NOT NULL DEFAULT 0,
-    pinned         INTEGER NOT NULL DEFAULT 0,   -- reserved: hot/cold API
-    idle_policy_s  INTEGER,                      -- reserved: hot/cold API
+    pinned         INTEGER NOT NULL DEFAULT 0,   -- I8
+    idle_policy_s  INTEGER,                      -- I8
     published_key  TEXT,                         -- I7
     published_etag TEXT
 );
@@ -69,6 +73,8 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
 CREATE INDEX IF NOT EXISTS entries_by_parent ON entries (parent, id);  -- readdir pages in cookie order
 CREATE INDEX IF NOT EXISTS inodes_lru ON inodes (obj_tier, last_access_ns) WHERE obj_gen > 0;  -- mover
+CREATE INDEX IF NOT EXISTS inodes_pinned ON inodes (obj_tier) WHERE pinned = 1;  -- the pin budget
+CREATE INDEX IF NOT EXISTS inodes_idle ON inodes (obj_tier, last_access_ns) WHERE idle_policy_s > 0;  -- sweeps
 CREATE TABLE IF NOT EXISTS xattrs (
     inode INTEGER NOT NULL,
     name  BLOB NOT NULL,
@@ -157,11 +163,53 @@ class Index:
     def count_inodes(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
 
-    def tier_totals(self) -> dict[str, tuple[int, int, int]]:
-        """tier → (files, logical bytes, stored bytes) of committed objects."""
-        rows = self.db.execute("SELECT obj_tier, COUNT(*), SUM(size), SUM(stored_bytes) FROM inodes "
+    def tier_totals(self) -> dict[str, tuple[int, int, int, int, int]]:
+        """tier → (files, logical bytes, stored bytes, pinned files, pinned stored bytes) of committed objects."""
+        rows = self.db.execute("SELECT obj_tier, COUNT(*), SUM(size), SUM(stored_bytes), SUM(pinned), "
+                               "SUM(CASE WHEN pinned THEN stored_bytes ELSE 0 END) FROM inodes "
                                "WHERE obj_gen > 0 GROUP BY obj_tier").fetchall()
-        return {r[0]: (r[1], r[2] or 0, r[3] or 0) for r in rows}
+        return {r[0]: (r[1], r[2] or 0, r[3] or 0, r[4] or 0, r[5] or 0) for r in rows}
+
+    def pinned_bytes(self) -> int:
+        """Stored bytes of every pinned file, wherever it is now (pins are the fastest tier's: I8)."""
+        row = self.db.execute("SELECT SUM(stored_bytes) FROM inodes WHERE pinned = 1 AND obj_gen > 0").fetchone()
+        return row[0] or 0
+
+    def pinned_away(self, fastest: str, limit: int) -> list[int]:
+        """Pinned files not in the fastest tier (yet): they are to be promoted."""
+        rows = self.db.execute("SELECT id FROM inodes WHERE pinned = 1 AND obj_gen > 0 AND obj_tier != ? LIMIT ?",
+                               (fastest, limit)).fetchall()
+        return [r[0] for r in rows]
+
+    def tree_files(self, ino: int) -> list[int]:
+        """The regular files of a directory tree (or the file itself), each once (hard links)."""
+        rows = self.db.execute(
+            "WITH RECURSIVE tree(id) AS (SELECT ? UNION SELECT e.inode FROM entries e JOIN tree t ON e.parent = t.id "
+            "JOIN inodes d ON d.id = t.id WHERE (d.mode & 61440) = 16384) "
+            "SELECT i.id FROM tree t JOIN inodes i ON i.id = t.id WHERE (i.mode & 61440) = 32768 ORDER BY i.id",
+            (ino,)).fetchall()
+        return [r[0] for r in rows]
+
+    def tree_dirs(self, ino: int) -> list[int]:
+        """The directories of a tree rooted at `ino`, itself included."""
+        rows = self.db.execute(
+            "WITH RECURSIVE tree(id) AS (SELECT ? UNION SELECT e.inode FROM entries e JOIN tree t ON e.parent = t.id "
+            "JOIN inodes c ON c.id = e.inode WHERE (c.mode & 61440) = 16384) SELECT id FROM tree", (ino,)).fetchall()
+        return [r[0] for r in rows]
+
+    def idle_files(self, tier: str, now_ns: int, default_s: int, periods: int, limit: int) -> list[sqlite3.Row]:
+        """Files in `tier`, not pinned, not read for `periods` times their idle period (I8), idlest first."""
+        self.flush_access()
+        if not default_s:  # only files with a policy of their own: a small partial index, not the whole tier
+            return self.db.execute(
+                "SELECT id FROM inodes WHERE obj_tier = ? AND idle_policy_s > 0 AND obj_gen > 0 AND pinned = 0 "
+                "AND last_access_ns < ? - idle_policy_s * ? ORDER BY last_access_ns LIMIT ?",
+                (tier, now_ns, periods * 1_000_000_000, limit)).fetchall()
+        return self.db.execute(
+            "SELECT id FROM inodes WHERE obj_tier = ? AND obj_gen > 0 AND pinned = 0 "
+            "AND COALESCE(idle_policy_s, ?) > 0 AND last_access_ns < ? - COALESCE(idle_policy_s, ?) * ? "
+            "ORDER BY last_access_ns LIMIT ?",
+            (tier, default_s, now_ns, default_s, periods * 1_000_000_000, limit)).fetchall()
 
     def least_recently_used(self, tier: str, limit: int, skip: frozenset[int] | set[int] = frozenset()
                             ) -> list[sqlite3.Row]:
@@ -184,9 +232,10 @@ class Index:
         with self.transaction():
             cur = self.db.execute(
                 "INSERT INTO inodes (mode, uid, gid, rdev, nlink, size, atime_ns, mtime_ns, ctime_ns, target, "
-                "last_access_ns) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "last_access_ns, idle_policy_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                "(SELECT idle_policy_s FROM inodes WHERE id = ?))",
                 (mode, uid, gid, rdev, 2 if is_dir else 1, len(target) if target else 0,
-                 now, now, now, target, now))
+                 now, now, now, target, now, parent))
             ino = cur.lastrowid
             self.db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, ino))
             self._touch_dir(parent, now, nlink_delta=1 if is_dir else 0)
@@ -338,6 +387,15 @@ class Index:
             cur = self.db.execute("UPDATE inodes SET obj_tier = ? WHERE id = ? AND obj_gen = ? AND obj_tier = ?",
                                   (dest, ino, gen, source))
         return cur.rowcount == 1
+
+    def set_pinned(self, inodes: list[int], pinned: bool) -> None:
+        with self.transaction():
+            self.db.executemany("UPDATE inodes SET pinned = ? WHERE id = ?", [(int(pinned), i) for i in inodes])
+
+    def set_idle_policy(self, inodes: list[int], seconds: int | None) -> None:
+        """I8: None = the mount's default, 0 = never."""
+        with self.transaction():
+            self.db.executemany("UPDATE inodes SET idle_policy_s = ? WHERE id = ?", [(seconds, i) for i in inodes])
 
     # -- xattrs ---------------------------------------------------------------------------------
     def get_xattr(self, ino: int, name: bytes) -> bytes | None:

@@ -11,6 +11,11 @@ Policy
 - A file read from a slower tier is promoted to the fastest after `promotion.after_reads` reads
   (1 = always, 0 = never), in the background: the read itself is served where the file is.
 - Files being written or committed (their inode lock is busy) are skipped; open files are never evicted.
+- Pinned files (index I8) are promoted to the fastest tier and never demoted or evicted; together they stay
+  within its pin limit (its high watermark), checked when pinning. The idle policy moves a file not read for k idle
+  periods to at least the k-th tier below the fastest (never out of the last one: that is eviction's job).
+- Requests by name (the hot/cold API, kvfs/hotcold.py) use the same moves: `move` with wait=True, and the
+  promotion queue for prefetches.
 
 Move protocol (`move`): with the inode lock held, copy the encoded object to the destination (temp name,
 fsync where persistent, rename), switch the row's tier in one transaction only if the row still names the
@@ -46,12 +51,13 @@ DELETE_GATHER_S = 0.05  # a remote tier's deletions wait this long to go out tog
 DELETE_BATCH = 1000  # … up to this many per request (the S3 maximum)
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
+IDLE_SWEEP_S = 1.0  # the idle policy looks for idle files this often
 WARN_EVERY_S = 60.0
 
 
 class Mover:
     def __init__(self, store: Store, index: Index, tiers: tuple[TierConfig, ...], promotion: PromotionPolicy,
-                 counters: Counters, locks: InodeLocks) -> None:
+                 counters: Counters, locks: InodeLocks, idle_s: int = 0) -> None:
         self.store = store
         self.index = index
         self.counters = counters
@@ -59,6 +65,8 @@ class Mover:
         self.promotion = promotion
         self.order = store.order  # fastest first
         self.watermarks = {t.name: (t.high_watermark, t.low_watermark) for t in tiers}
+        self.idle_s = idle_s  # the mount's default idle period (I8); 0 = off
+        self._idle_swept = 0.0
         self._room = {t.name: trio.Lock() for t in self.order}  # one agent frees room in a tier at a time
         self._slots = trio.CapacityLimiter(MOVES_IN_FLIGHT)
         self._wake = trio.Event()
@@ -97,6 +105,7 @@ class Mover:
             try:
                 await self._promote_queued()
                 await self._publish_settled()
+                await self._sweep_idle()
                 for tier in self.order:
                     high, low = self.watermarks[tier.name]
                     nxt = self._next_tier(tier)
@@ -126,6 +135,7 @@ class Mover:
             "promotions_queued": len(self._promotions),
             "moves_in_flight": self._moving,
             "deletions_in_flight": self._deleting,
+            "pin_limit_bytes": self.pin_limit(),
         }
 
     # -- placement of new objects (Store.place) ------------------------------------------------------------
@@ -172,7 +182,8 @@ class Mover:
             async with self._room[tier.name]:
                 return await self._drain(tier, target_used, locked=True, forced=forced)
         self._draining.add(tier.name)
-        start = tier.used_bytes
+        start, started = tier.used_bytes, time.monotonic()
+        before = self._moved_out(tier)
         tried: set[int] = set()
         try:
             while tier.used_bytes > target_used:
@@ -189,7 +200,23 @@ class Mover:
                         nursery.start_soon(self._push_out, tier, row["id"], forced)
         finally:
             self._draining.discard(tier.name)
+            self._log_batch(tier, before, started, "drained" if not forced else "made room")
         return max(0, start - tier.used_bytes)
+
+    def _moved_out(self, tier: Tier) -> tuple[int, int, int, int]:
+        c = self.counters.tier(tier.name)
+        return c.demoted_files, c.demoted_bytes, c.evicted_files, c.evicted_bytes
+
+    def _log_batch(self, tier: Tier, before: tuple[int, int, int, int], started: float, why: str) -> None:
+        """One line per demotion batch (a drain, an idle sweep), none per file."""
+        demoted, demoted_bytes, evicted, evicted_bytes = (a - b for a, b in zip(self._moved_out(tier), before))
+        if not demoted and not evicted:
+            return
+        nxt = self._next_tier(tier)
+        parts = [f"{demoted} files ({demoted_bytes >> 20} MiB) demoted to {nxt.name if nxt else '-'}"] if demoted else []
+        parts += [f"{evicted} files ({evicted_bytes >> 20} MiB) evicted"] if evicted else []
+        log.info("%s %s: %s in %.1f s; %d of %d MiB used", tier.name, why, ", ".join(parts),
+                 time.monotonic() - started, tier.used_bytes >> 20, tier.capacity >> 20)
 
     def _next_tier(self, tier: Tier) -> Tier | None:
         i = self.order.index(tier)
@@ -297,6 +324,10 @@ class Mover:
         self._count_move(ref, dest)
         await self.store.delete(ref)
         return True
+
+    def conflicted(self, ino: int) -> bool:
+        """The shared L4 refused this file: another node published its name first."""
+        return ino in self._conflicts
 
     def _published_key(self, ino: int) -> str | None:
         parts = self.index.path_of(ino)
@@ -438,6 +469,52 @@ class Mover:
                 await self._move_locked(ino, fastest)
             finally:
                 self._moving -= 1
+
+    def prefetch(self, ino: int) -> bool:
+        """Queue a promotion to the fastest tier (the caller does not wait). False if there is nothing to do."""
+        row = self.index.get(ino)
+        if row is None or not row["obj_gen"] or row["obj_tier"] == self.order[0].name:
+            return False
+        self.index.note_access(ino)  # about to be used: not the first file a drain of L2 picks
+        if ino not in self._promotions:
+            self._promotions[ino] = None
+            self.wake()
+        return True
+
+    # -- pins and the idle policy (I8) ---------------------------------------------------------------------
+    def pin_limit(self) -> int:
+        """Pinned files live in the fastest tier, up to its high watermark: past it the mover would drain
+        forever and find nothing it may move."""
+        fastest = self.order[0]
+        return int(self.watermarks[fastest.name][0] * fastest.capacity)
+
+    async def _sweep_idle(self) -> None:
+        """Once a second: pinned files not in the fastest tier are queued for promotion; files not read for k
+        idle periods go at least k tiers down (k = 1 for L2)."""
+        now = time.monotonic()
+        if now - self._idle_swept < IDLE_SWEEP_S:
+            return
+        self._idle_swept = now
+        for ino in self.index.pinned_away(self.order[0].name, CANDIDATES):
+            if ino not in self._promotions:
+                self._promotions[ino] = None
+                self.wake()
+        for k, tier in enumerate(self.order[:-1], start=1):
+            dest = self.order[k]
+            if not dest.available():
+                continue
+            rows = self.index.idle_files(tier.name, time.time_ns(), self.idle_s, k, CANDIDATES)
+            if not rows:
+                continue
+            before, started = self._moved_out(tier), time.monotonic()
+            async with trio.open_nursery() as nursery:
+                for row in rows:
+                    nursery.start_soon(self._demote_idle, row["id"], tier, dest)
+            self._log_batch(tier, before, started, "idle policy")
+
+    async def _demote_idle(self, ino: int, tier: Tier, dest: Tier) -> None:
+        if await self.move(ino, dest):
+            self.counters.tier(tier.name).idle_demoted_files += 1
 
     # -- write policy through (shared L4) -----------------------------------------------------------------
     def publish_later(self, ino: int) -> None:

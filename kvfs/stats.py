@@ -18,6 +18,9 @@ class TierCounters:
     evicted_files: int = 0  # dropped from this tier, the last one: they became misses
     evicted_bytes: int = 0
     evicted_next_down_files: int = 0  # of those, evicted because the next tier was down (no demotion possible)
+    idle_demoted_files: int = 0  # of the demoted ones, moved by the idle policy (not read for long enough)
+    dropped_files: int = 0  # removed from this tier by a drop request (user.kvfs.drop, kvfs drop)
+    dropped_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -34,11 +37,15 @@ class Counters:
     frames_decoded: int = 0
     checksum_failures: int = 0  # corrupt objects detected (each dropped from the index)
     errors: int = 0  # unexpected exceptions answered with EIO
+    lookup_misses: int = 0  # lookups of a name that does not exist (a cache miss: the caller computes or creates it)
     reconcile_orphans_removed: int = 0
     reconcile_rows_dropped: int = 0
     reconcile_objects_adopted: int = 0  # rows pointed at a complete copy in another tier (a move cut short)
     published_through: int = 0  # files uploaded to a shared L4 after settling (write policy through)
     publish_conflicts: int = 0  # demotions to a shared L4 refused: another node published the name first
+    requested_moves: int = 0  # moves asked for by name (user.kvfs.tier, kvfs demote) that were done
+    prefetches: int = 0  # promotions queued by a prefetch request (user.kvfs.prefetch, kvfs prefetch)
+    pin_refusals: int = 0  # pin requests refused: all pins together would pass the pin limit
     move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
     writer_waits: int = 0  # commits that waited for the mover to make room
     writer_wait_s: float = 0.0
@@ -48,12 +55,13 @@ class Counters:
         return self.tiers.setdefault(name, TierCounters())
 
 
-def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]], config, started: float,
-           open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict, qat: dict) -> bytes:
+def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int, int, int]], config, started: float,
+             open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict, qat: dict) -> dict:
+    """The statistics document: what .kvfs/stats serves as JSON and the metrics exporter turns into metrics."""
     tier_docs = {}
     logical_all = stored_all = 0
     for t in tiers:
-        files, logical, stored = totals.get(t.name, (0, 0, 0))
+        files, logical, stored, pinned_files, pinned_bytes = totals.get(t.name, (0, 0, 0, 0, 0))
         logical_all += logical
         stored_all += stored
         tier_docs[t.name] = {
@@ -65,6 +73,8 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
             "logical_bytes": logical,
             "compression_ratio": round(stored / logical, 4) if logical else None,
             "read_bytes": read_bytes.get(t.name, 0),
+            "pinned_files": pinned_files,  # pinned files whose object is here now (promotion may be pending)
+            "pinned_bytes": pinned_bytes,
             **dataclasses.asdict(counters.tier(t.name)),
             **t.stats(),
         }
@@ -86,4 +96,19 @@ def render(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int]]
         "qat": qat,
         **{k: v for k, v in dataclasses.asdict(counters).items() if k != "tiers"},
     }
+    return doc
+
+
+def to_json(doc: dict) -> bytes:
     return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 → '1.5 KiB' (binary units), for tables."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -90,3 +90,23 @@ def test_bad_tier_settings_are_clear_errors(tmp_path, toml, message):
 def test_l2_and_l3_must_differ(tmp_path):
     with pytest.raises(ConfigError, match="different"):
         build_config(tmp_path / "m", l2=f"{tmp_path}/same:1G", l3=f"{tmp_path}/same:2G")
+
+
+@pytest.mark.parametrize("text,seconds", [("10m", 600), ("90s", 90), ("2h", 7200), ("45", 45), ("off", 0),
+                                          ("never", 0), ("0", 0), (30, 30)])
+def test_idle_period(text, seconds, tmp_path):
+    assert build_config(tmp_path / "m", idle=text).idle_s == seconds
+
+
+@pytest.mark.parametrize("bad", ["soon", "0.5", "-3m", "10 minutes"])
+def test_idle_period_rejects(bad, tmp_path):
+    with pytest.raises(ConfigError):
+        build_config(tmp_path / "m", idle=bad)
+
+
+def test_idle_from_toml_and_the_command_line_wins(tmp_path):
+    toml = tmp_path / "k.toml"
+    toml.write_text('[mount]\nidle = "5m"\n')
+    assert build_config(tmp_path / "m", config_file=toml).idle_s == 300
+    assert build_config(tmp_path / "m", config_file=toml, idle="off").idle_s == 0
+    assert build_config(tmp_path / "m").idle_s == 0

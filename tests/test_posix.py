@@ -213,8 +213,12 @@ def test_user_xattrs_and_kvfs_info(kvfs: KvfsMount):
     assert os.getxattr(f, "user.kvfs.codec") == b"zstd"
     stored = int(os.getxattr(f, "user.kvfs.stored_bytes"))
     assert 0 < stored < 200_000 and -(-stored // 512) == f.stat().st_blocks
-    os.setxattr(f, "user.kvfs.tier", b"L9")  # informational: ignored, so cp -a into the mount works
-    assert os.getxattr(f, "user.kvfs.tier") == b"L2"
+    os.setxattr(f, "user.kvfs.tier", b"L2")  # its current value: nothing happens (cp -a into the mount works)
+    os.setxattr(f, "user.kvfs.codec", b"qat")  # informational: ignored
+    assert os.getxattr(f, "user.kvfs.tier") == b"L2" and os.getxattr(f, "user.kvfs.codec") == b"zstd"
+    with pytest.raises(OSError) as e:  # a request for a tier this mount has not (tests/test_hotcold.py: moves)
+        os.setxattr(f, "user.kvfs.tier", b"L9")
+    assert e.value.errno == errno.EINVAL
     os.removexattr(f, "user.owner")
     with pytest.raises(OSError) as e:
         os.getxattr(f, "user.owner")

@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source tools/apt_install.sh
-apt_install_missing fuse3 libfuse3-dev pkg-config gcc fio stress-ng attr util-linux
+# systemd: systemd-analyze and systemd-tmpfiles check the service files (tests/test_service.py)
+apt_install_missing fuse3 libfuse3-dev pkg-config gcc fio stress-ng attr util-linux systemd rsync
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -13,4 +14,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test]'
 # Intel QATzip for codec qat (Debian 13's packages, unpacked into .venv/opt/qatzip); kvfs works without it
 ./tools/install_qatzip.sh || echo "install: QATzip not installed; codec qat unavailable (deflate writes the same format)" >&2
+# the helper mount(8) runs for `mount -t fuse.kvfs` and fstab entries (tools/install_service.sh: the service too)
+$([ "$(id -u)" -eq 0 ] || echo sudo) ln -sfn "$PWD/.venv/bin/mount.fuse.kvfs" /sbin/mount.fuse.kvfs
 echo "kvfs installed: $(.venv/bin/kvfs --version)"

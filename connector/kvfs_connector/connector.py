@@ -64,7 +64,9 @@ class KVFSConnector(KVConnectorBase_V1):
                 return
             self.planner = Planner(mount=self.guard.path, namespaces=self._namespaces, block_size=self.block_size,
                                    hash_block_size=hash_block_size, chunk_size=self.chunk_size,
-                                   save_decode=self.settings.save_decode, guard=self.guard)
+                                   save_decode=self.settings.save_decode, guard=self.guard,
+                                   prefetch=self.settings.prefetch,
+                                   demote_after_idle_s=self.settings.demote_after_idle_s)
             log.info("kvfs connector: %s, chunks of %d tokens, layout %s", self.guard.path, self.chunk_size,
                      self.layout_name)
 
@@ -146,7 +148,8 @@ class KVFSConnector(KVConnectorBase_V1):
                 + parallel_state.get_tp_group().rank_in_group)
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
                                  self.settings.io_threads, self.settings.max_pending_save_mb << 20,
-                                 self.settings.direct_reads, self.settings.lossy_mode)
+                                 self.settings.direct_reads, self.settings.lossy_mode,
+                                 self.settings.demote_after_idle_s)
         self.worker.warm_up()
         log.info("kvfs connector worker: %d layers, layout %s, rank %d", len(tensors), chosen.name, rank)
 

@@ -10,6 +10,8 @@ import uuid
 XA_DTYPE = "user.kvfs.dtype"
 XA_SHAPE = "user.kvfs.shape"
 XA_LOSSY = "user.kvfs.lossy"
+XA_PREFETCH = "user.kvfs.prefetch"  # the hot/cold API (kvfs/hotcold.py): promote in the background
+XA_IDLE = "user.kvfs.idle"  # the idle policy: not read for N seconds, down a tier
 
 
 def exists(path: str) -> bool:
@@ -18,6 +20,16 @@ def exists(path: str) -> bool:
         os.stat(path)
         return True
     except FileNotFoundError:
+        return False
+
+
+def request(path: str, name: str, value: bytes) -> bool:
+    """A hot/cold request on a chunk file; False where it cannot be made (gone, or not a kvfs mount). A hint:
+    never worth failing a request for."""
+    try:
+        os.setxattr(path, name, value)
+        return True
+    except OSError:
         return False
 
 

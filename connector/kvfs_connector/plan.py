@@ -49,7 +49,8 @@ class RequestState:
 
 class Planner:
     def __init__(self, *, mount: str, namespaces: Callable[[], Sequence[str]], block_size: int, hash_block_size: int,
-                 chunk_size: int, save_decode: bool, guard: MountGuard) -> None:
+                 chunk_size: int, save_decode: bool, guard: MountGuard, prefetch: bool = False,
+                 demote_after_idle_s: int = 0) -> None:
         self.mount = mount
         self._namespace_factory = namespaces  # called once, on first use: vLLM seeds its hashes after init
         self._namespaces: list[str] | None = None
@@ -58,10 +59,14 @@ class Planner:
         self.chunk_size = chunk_size
         self.save_decode = save_decode
         self.guard = guard
+        self.prefetch = prefetch
+        self.demote_after_idle_s = demote_after_idle_s
+        self._prefetched: set[str] = set()  # requests whose chunks were prefetched (lookups repeat while waiting)
         self.requests: dict[str, RequestState] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (chunks found, locally computed tokens)
         self._loads: list[LoadSpec] = []
-        self.stats = {"lookups": 0, "hit_tokens": 0, "queried_tokens": 0}
+        self.stats = {"lookups": 0, "hit_tokens": 0, "queried_tokens": 0, "prefetched_chunks": 0,
+                      "idle_marked_chunks": 0}
 
     # -- names -----------------------------------------------------------------------------------------
     @property
@@ -91,6 +96,9 @@ class Planner:
         found = 0
         if limit > 0 and self.guard.usable():
             found = self._count_existing(request, limit)
+            if self.prefetch and found and request.request_id not in self._prefetched:
+                self._prefetched.add(request.request_id)
+                self._prefetch(request, found)
         self._hits[request.request_id] = (found, num_computed_tokens)
         hit = min(found * self.chunk_size, limit)
         self.stats["lookups"] += 1
@@ -182,6 +190,24 @@ class Planner:
             state.next_chunk += 1
         return out
 
+    def _prefetch(self, request, chunks: int) -> None:
+        """Chunks a request will load go to kvfs's fastest tier in the background: a request waiting for
+        blocks finds them in L2, not on disk or in the object store."""
+        for k in range(chunks):
+            for path in self.chunk_paths(request, k) or ():
+                self.stats["prefetched_chunks"] += files.request(path, files.XA_PREFETCH, b"1")
+
     def finished(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        state = self.requests.pop(req_id, None)
         self._hits.pop(req_id, None)
+        self._prefetched.discard(req_id)
+        if state is not None and self.demote_after_idle_s and self.guard.usable():
+            self._mark_idle(state)
+
+    def _mark_idle(self, state: RequestState) -> None:
+        """A finished conversation's chunks go down a tier once nobody read them for demote_after_idle_s
+        (kvfs's idle policy): idle → offloaded; a returning session reads them back (promotion)."""
+        value = str(self.demote_after_idle_s).encode()
+        for k in range(state.next_chunk):
+            for path in self.chunk_paths(state.request, k) or ():
+                self.stats["idle_marked_chunks"] += files.request(path, files.XA_IDLE, value)

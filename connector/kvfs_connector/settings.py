@@ -22,6 +22,8 @@ class Settings:
     direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
     lossy: str = "none"  # opt-in: kvfs lossy mode for the chunks (mantissa:K or fp8[:G]); its own namespace
+    prefetch: bool = False  # when a request is first scheduled, ask kvfs to bring its stored chunks to L2
+    demote_after_idle_s: int = 0  # a finished request's chunks go down a tier when not read for this long; 0 = off
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -41,6 +43,8 @@ class Settings:
             lossy.parse(s.lossy)
         except ValueError as e:
             raise ValueError(f"kvfs connector: {e}") from None
+        if not isinstance(s.demote_after_idle_s, int) or s.demote_after_idle_s < 0:
+            raise ValueError("kvfs connector: demote_after_idle_s must be a whole number of seconds >= 0")
         if s.io_threads < 1 or s.max_pending_save_mb < 0:
             raise ValueError("kvfs connector: io_threads must be >= 1 and max_pending_save_mb >= 0")
         return s

@@ -47,7 +47,7 @@ class _Load:
 class WorkerSide:
     def __init__(self, layout: ChunkLayout, kv_layers: list[torch.Tensor], layer_index: dict[str, int],
                  rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int,
-                 direct_reads: bool = True, lossy: str = "none") -> None:
+                 direct_reads: bool = True, lossy: str = "none", idle_s: int = 0) -> None:
         self.layout = layout
         self.descriptor = layout.descriptor()
         if lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
@@ -75,6 +75,8 @@ class WorkerSide:
             self.xattrs[files.XA_DTYPE] = DTYPE_XATTR[layout.g.dtype]
         if lossy != "none":
             self.xattrs[files.XA_LOSSY] = lossy.encode()
+        if idle_s:  # saved chunks carry the idle policy from the start: saves still in flight at finish too
+            self.xattrs[files.XA_IDLE] = str(idle_s).encode()
 
     def warm_up(self) -> threading.Thread:
         """Fill the readers' buffer pool in a background thread (page faults cost as much as reading)."""

@@ -20,6 +20,15 @@ class ObjectInfo:
     size: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Stray:
+    """Something in a tier that is not an object in its place: `name` is where (tier-relative), `object_id`
+    the object it was becoming when known (the temp file of an interrupted put)."""
+    name: str
+    size: int
+    object_id: str | None = None
+
+
 class Tier(abc.ABC):
     def __init__(self, name: str, capacity: int, persistent: bool) -> None:
         self.name = name
@@ -98,6 +107,18 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def scan(self) -> Iterator[ObjectInfo]:
         """Every complete object held (temp files excluded)."""
+
+    def strays(self) -> Iterator[Stray]:
+        """What `remove_strays` would delete, without deleting it (kvfs fsck reports it first). Tiers that
+        cannot list their strays cheaply yield nothing; `remove_strays` at start still cleans them."""
+        return iter(())
+
+    def stray_size(self, name: str) -> int | None:
+        """Size of a stray named by `strays`, None when it is gone (a put renamed or removed it)."""
+        return None
+
+    def remove_stray(self, name: str) -> None:
+        """Delete one stray named by `strays`; an absent one is not an error."""
 
     @abc.abstractmethod
     def remove_strays(self) -> int:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .base import ObjectInfo, Tier
+from .base import ObjectInfo, Stray, Tier
 
 TMP_SUFFIX = ".tmp"
 
@@ -79,15 +79,43 @@ class DirectoryTier(Tier):
             if not shard.is_dir():
                 continue  # only shard directories hold objects
             for entry in os.scandir(shard):
-                if entry.is_file(follow_symlinks=False) and not entry.name.endswith(TMP_SUFFIX):
+                if entry.is_file(follow_symlinks=False) and not self._is_stray(Path(entry.path)):
                     yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size)
+
+    def _is_stray(self, path: Path) -> bool:
+        return path.name.endswith(TMP_SUFFIX) or path.parent != self._path(path.name).parent
+
+    def strays(self) -> Iterator[Stray]:
+        for path in self.root.glob("*/*"):
+            if self._is_stray(path):
+                try:
+                    size = path.lstat().st_size
+                except FileNotFoundError:
+                    continue  # a put renamed it meanwhile
+                of = path.name.removesuffix(TMP_SUFFIX) if path.name.endswith(TMP_SUFFIX) else None
+                yield Stray(str(path.relative_to(self.root)), size, of)
+
+    def _stray_path(self, name: str) -> Path | None:
+        path = self.root / name
+        return path if path.parent.parent == self.root else None  # only names strays() gives: in a shard
+
+    def stray_size(self, name: str) -> int | None:
+        path = self._stray_path(name)
+        try:
+            return path.lstat().st_size if path is not None else None
+        except FileNotFoundError:
+            return None
+
+    def remove_stray(self, name: str) -> None:
+        path = self._stray_path(name)
+        if path is not None:
+            _unlink_quietly(path)
 
     def remove_strays(self) -> int:
         removed = 0
-        for path in self.root.glob("*/*"):
-            if path.name.endswith(TMP_SUFFIX) or path.parent != self._path(path.name).parent:
-                _unlink_quietly(path)
-                removed += 1
+        for stray in self.strays():
+            self.remove_stray(stray.name)
+            removed += 1
         return removed
 
 
