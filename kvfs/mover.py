@@ -52,6 +52,7 @@ DELETE_BATCH = 1000  # … up to this many per request (the S3 maximum)
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
 IDLE_SWEEP_S = 1.0  # the idle policy looks for idle files this often
+LOG_MOVES_EVERY_S = 10.0  # moves out of a tier are logged as one summary line at most this often
 WARN_EVERY_S = 60.0
 
 
@@ -67,6 +68,8 @@ class Mover:
         self.watermarks = {t.name: (t.high_watermark, t.low_watermark) for t in tiers}
         self.idle_s = idle_s  # the mount's default idle period (I8); 0 = off
         self._idle_swept = 0.0
+        self._move_log: dict[str, list] = {}  # tier → moves out not logged yet (see _flush_move_log)
+        self._move_logged: dict[str, float] = {}
         self._room = {t.name: trio.Lock() for t in self.order}  # one agent frees room in a tier at a time
         self._slots = trio.CapacityLimiter(MOVES_IN_FLIGHT)
         self._wake = trio.Event()
@@ -95,6 +98,7 @@ class Mover:
                 await self._passes()
             finally:
                 self._background = None
+                self._flush_move_log(force=True)
 
     async def _passes(self) -> None:
         self.wake()  # the first pass at once: a restart with smaller capacities has work waiting
@@ -106,6 +110,7 @@ class Mover:
                 await self._promote_queued()
                 await self._publish_settled()
                 await self._sweep_idle()
+                self._flush_move_log()
                 for tier in self.order:
                     high, low = self.watermarks[tier.name]
                     nxt = self._next_tier(tier)
@@ -208,15 +213,32 @@ class Mover:
         return c.demoted_files, c.demoted_bytes, c.evicted_files, c.evicted_bytes
 
     def _log_batch(self, tier: Tier, before: tuple[int, int, int, int], started: float, why: str) -> None:
-        """One line per demotion batch (a drain, an idle sweep), none per file."""
-        demoted, demoted_bytes, evicted, evicted_bytes = (a - b for a, b in zip(self._moved_out(tier), before))
-        if not demoted and not evicted:
+        """Account a batch of moves out of `tier` (a drain, room made for a writer, an idle sweep) for the log."""
+        moved = [a - b for a, b in zip(self._moved_out(tier), before)]
+        if not moved[0] and not moved[2]:
             return
-        nxt = self._next_tier(tier)
-        parts = [f"{demoted} files ({demoted_bytes >> 20} MiB) demoted to {nxt.name if nxt else '-'}"] if demoted else []
-        parts += [f"{evicted} files ({evicted_bytes >> 20} MiB) evicted"] if evicted else []
-        log.info("%s %s: %s in %.1f s; %d of %d MiB used", tier.name, why, ", ".join(parts),
-                 time.monotonic() - started, tier.used_bytes >> 20, tier.capacity >> 20)
+        pending = self._move_log.setdefault(tier.name, [0, 0, 0, 0, set(), 0.0])
+        for i in range(4):
+            pending[i] += moved[i]
+        pending[4].add(why)
+        pending[5] += time.monotonic() - started
+        self._flush_move_log()
+
+    def _flush_move_log(self, force: bool = False) -> None:
+        """One line per tier and LOG_MOVES_EVERY_S at most, summing its batches: under steady pressure every
+        commit may make room, and a line each would be a line per request."""
+        now = time.monotonic()
+        for name, (demoted, demoted_bytes, evicted, evicted_bytes, why, busy_s) in list(self._move_log.items()):
+            if not force and now - self._move_logged.get(name, -1e9) < LOG_MOVES_EVERY_S:
+                continue
+            tier = self.store.tiers[name]
+            nxt = self._next_tier(tier)
+            parts = [f"{demoted} files ({demoted_bytes >> 20} MiB) demoted to {nxt.name}"] if demoted else []
+            parts += [f"{evicted} files ({evicted_bytes >> 20} MiB) evicted"] if evicted else []
+            log.info("%s %s: %s in %.1f s; %d of %d MiB used", name, ", ".join(sorted(why)), ", ".join(parts),
+                     busy_s, tier.used_bytes >> 20, tier.capacity >> 20)
+            del self._move_log[name]
+            self._move_logged[name] = now
 
     def _next_tier(self, tier: Tier) -> Tier | None:
         i = self.order.index(tier)

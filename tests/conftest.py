@@ -124,12 +124,19 @@ class KvfsMount:
 
     def check_accounting(self, stats: dict | None = None) -> None:
         """Each tier's counters equal what its directory holds: no leaked, missing or half-written objects.
-        Without given stats, waits up to 5 s for deletions still in flight (the daemon releases an object's
-        space, then removes its file in a worker thread)."""
+        Without given stats, waits up to 10 s for a quiet moment: no move in flight (a move charges its
+        destination before the copy's file appears) and the same directory listing before and after the
+        stats (the daemon releases an object's space, then removes its file in a worker thread)."""
         if stats is None:
-            for _ in range(50):
+            for _ in range(100):
+                before = {t: self.objects(t) for t in ("L2", "L3")}
                 stats = self.stats()
-                if all(t["files"] == len(self.objects(name)) for name, t in stats["tiers"].items()):
+                after = {t: self.objects(t) for t in ("L2", "L3")}
+                mover = stats["mover"]
+                quiet = not (mover["moves_in_flight"] or mover["deletions_in_flight"] or mover["draining"]
+                             or mover["promotions_queued"])
+                if quiet and before == after and all(t["files"] == len(after[name])
+                                                     for name, t in stats["tiers"].items() if name in after):
                     break
                 time.sleep(0.1)
         for name, t in stats["tiers"].items():

@@ -239,6 +239,7 @@ def test_live_fsck_during_writes_reports_nothing_false(make_mount):
     assert sum(t["demoted_files"] for t in stats["tiers"].values()) > 0  # moves ran during the checks
     for name, data in latest.items():
         assert m.path(name).read_bytes() == data
+    m.check_accounting()
 
 
 def write_durable(m, name: str, data: bytes) -> None:

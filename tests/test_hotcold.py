@@ -140,9 +140,12 @@ def test_pin_past_the_limit_is_refused_whole(make_mount):
     assert not any(pinned(m.path(f"b/{i}")) for i in range(5))  # nothing of the refused tree
     res = kvfs_cli("pin", "-r", str(m.path("b")))
     assert res.returncode == 1 and "pin refused" in res.stderr, res
+    with pytest.raises(OSError) as e:  # the same request by xattr
+        os.setxattr(m.path("b"), "user.kvfs.pin", b"1")
+    assert e.value.errno == errno.ENOSPC
     client.pin([m.path(f"b/{i}") for i in range(3)])  # 8 of 9 MiB: granted
     stats = settle(m)
-    assert stats["pin_refusals"] == 2 and stats["mover"]["pin_limit_bytes"] == int(0.9 * 10 * MiB)
+    assert stats["pin_refusals"] == 3 and stats["mover"]["pin_limit_bytes"] == int(0.9 * 10 * MiB)
     assert stats["tiers"]["L2"]["pinned_files"] == 8  # all promoted to L2, some had been demoted
     assert stats["tiers"]["L2"]["used_bytes"] <= stats["tiers"]["L2"]["capacity_bytes"]
 
@@ -315,3 +318,19 @@ def test_connector_prefetches_scheduled_chunks_and_marks_finished_ones_idle(make
     assert planner.stats["idle_marked_chunks"] == 3
     assert all(os.getxattr(p, "user.kvfs.idle") == b"2" for p in paths)
     wait_for(lambda: all(tier_of(Path(p)) == "L3" for p in paths), timeout=10, what="idle chunks demoted")
+
+
+def test_logs_say_what_happened_not_every_request(make_mount):
+    """One line per significant event: a workload of hundreds of requests with demotions, promotions and
+    requests by name logs a handful of lines — mount, demotion batches — and nothing per request."""
+    m = start_tiered(make_mount(), "8M", "64M")
+    data = write_tree(m, {f"w/{i}": 512 << 10 for i in range(40)})
+    for rel, want in data.items():
+        assert read_uncached(m.path(rel)) == want
+    client.demote(m.path("w"), to="L3", recursive=True)
+    client.prefetch(m.path("w"), recursive=True)
+    settle(m)
+    lines = [line for line in m.log_text().splitlines() if not line.startswith("===")]
+    assert any("mounted" in line for line in lines)
+    assert any("drained" in line and "demoted to L3" in line for line in lines), lines
+    assert len(lines) <= 30, lines  # 40 files written, read, demoted and prefetched: thousands of requests

@@ -323,3 +323,23 @@ def test_lmcache_fs_backend_in_a_kvfs_directory(make_mount, baseline, prompts, w
     assert cached(first) == [0, 0, 0]
     assert cached(second) == [(len(p) - 1) // CHUNK * CHUNK for p in prompts]
     assert m.stats()["tiers"]["L2"]["hits"] >= len(files)
+
+
+def test_idle_chunks_go_down_and_a_returning_session_is_prefetched(make_mount, baseline, prompts, workdir):
+    """demote_after_idle_s: the chunks an engine saved go to L3 once idle; prefetch: the next engine's lookup
+    sends kvfs a prefetch for every chunk it found (they were on L3: each one queued), and it still loads
+    exactly what the first stored."""
+    m = make_mount("hotcold").start("--l3", f"{workdir / 'hotcold-l3'}:2G", l2_size="256M")
+    first = run_engine(workdir / "hc1", [{"prompts": prompts, **ROUND}], connector(m.mountpoint, demote_after_idle_s=2))
+    files = chunk_files(m.mountpoint)
+    assert files and all(os.getxattr(f, "user.kvfs.idle") == b"2" for f in files)
+    deadline = time.monotonic() + 30
+    while any(os.getxattr(f, "user.kvfs.tier") != b"L3" for f in files):
+        assert time.monotonic() < deadline, [os.getxattr(f, "user.kvfs.tier") for f in files]
+        time.sleep(0.2)
+    assert m.stats()["tiers"]["L2"]["idle_demoted_files"] == len(files)
+    second = run_engine(workdir / "hc2", [{"prompts": prompts, **ROUND}], connector(m.mountpoint, prefetch=True))
+    assert outputs(first) == outputs(baseline) and outputs(second) == outputs(baseline)
+    assert cached(second) == [expected_hit(len(p), len(p) + 15) for p in prompts]
+    hits = sum(-(-expected_hit(len(p), len(p) + 15) // CHUNK) for p in prompts)
+    assert m.stats()["prefetches"] >= hits
