@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from .config import PromotionPolicy, TierConfig
-from .index import Index
+from .index import Index, object_id
 from .locks import InodeLocks
 from .stats import Counters
 from .store import ObjectRef, Store, credit_for
@@ -80,6 +80,7 @@ class Mover:
         self._deleting = 0  # sources of finished moves being deleted in the background (remote tiers)
         self._background: trio.Nursery | None = None
         self._doomed: dict[str, list[str]] = {}  # remote tier → ids of moved objects waiting for deletion
+        self._flushing: dict[str, tuple[frozenset[str], trio.Event] | None] = {}  # tiers with a deleter: its batch
         self._conflicts: set[int] = set()  # files a shared L4 will not take (name published by another node)
         self.write_through = False  # publish every committed file to the shared L4 once it has settled
         self._settling: dict[int, float] = {}  # ino → when it may be published (write policy through)
@@ -283,6 +284,7 @@ class Mover:
             log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, ref.stored_bytes)
             return False
         try:
+            await self._reclaim(dest, object_id(ref.ino, ref.gen))
             async with self._slots:  # only the copy: never hold a slot while waiting for room
                 new_ref = await self.store.copy(ref, dest)
         except Exception as e:
@@ -373,27 +375,49 @@ class Mover:
             return
         self.store.release(ref.tier, ref.stored_bytes)
         self._deleting += 1
-        doomed = self._doomed.setdefault(source.name, [])
-        doomed.append(ref.object_id)
-        if len(doomed) == 1:  # no flusher running for this tier: start one
+        self._doomed.setdefault(source.name, []).append(ref.object_id)
+        if source.name not in self._flushing:
+            self._flushing[source.name] = None
             self._background.start_soon(self._delete_batches, source)
 
     async def _delete_batches(self, source: Tier) -> None:
         """Delete moved objects of a remote tier in batches (one multi-object DELETE for up to 1000): single
-        DELETEs slowed RGW's GETs by a third while promotions ran."""
+        DELETEs slowed RGW's GETs by a third while promotions ran. The batch in flight is the list's head."""
         doomed = self._doomed[source.name]
-        while doomed:
-            await trio.sleep(DELETE_GATHER_S)
-            batch = doomed[:DELETE_BATCH]
-            try:
-                await self.store.io(source.name, source.delete_many, batch)
-            except Exception as e:  # a background task must not end the daemon: the objects are orphans now
-                self.counters.move_failures += len(batch)
-                log.warning("deleting %d moved objects from %s failed: %s (reconcile removes them at the next "
-                            "start)", len(batch), source.name, e)
-            finally:
-                del doomed[:len(batch)]
-                self._deleting -= len(batch)
+        try:
+            while doomed:
+                await trio.sleep(DELETE_GATHER_S)
+                batch = doomed[:DELETE_BATCH]
+                if not batch:
+                    continue  # reclaimed meanwhile (_reclaim)
+                done = trio.Event()
+                self._flushing[source.name] = (frozenset(batch), done)
+                try:
+                    await self.store.io(source.name, source.delete_many, batch)
+                except Exception as e:  # a background task must not end the daemon: the objects are orphans now
+                    self.counters.move_failures += len(batch)
+                    log.warning("deleting %d moved objects from %s failed: %s (reconcile removes them at the "
+                                "next start)", len(batch), source.name, e)
+                finally:
+                    del doomed[:len(batch)]
+                    self._deleting -= len(batch)
+                    self._flushing[source.name] = None
+                    done.set()
+        finally:
+            del self._flushing[source.name]
+
+    async def _reclaim(self, tier: Tier, oid: str) -> None:
+        """An object is about to be written to `tier` under an id whose old copy there still waits for its
+        background deletion (promoted, then moved back within the gathering time): that deletion must not
+        remove the new copy. A pending one is cancelled; one in flight is waited for."""
+        doomed = self._doomed.get(tier.name)
+        while doomed and oid in doomed:
+            flying = self._flushing.get(tier.name)
+            if flying is not None and oid in flying[0]:
+                await flying[1].wait()
+                continue
+            doomed.remove(oid)
+            self._deleting -= 1
 
     def _move_failed(self, ino: int, ref: ObjectRef, dest: Tier, e: Exception) -> None:
         self.counters.move_failures += 1

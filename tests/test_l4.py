@@ -480,3 +480,25 @@ def test_gc_keeps_a_shared_prefix_within_its_size(make_mount, ceph, tmp_path):
     assert len(logs) == 1 and "/access/gc-" in logs[0]
     assert not b.path("kv", "f1.kv").exists()  # gone for mounts that never had it
     assert b.path("kv", "f0.kv").read_bytes() == sample_bytes(600)
+
+
+def test_moved_back_before_its_old_copy_is_deleted(make_mount, ceph):
+    """A file promoted from L4 and sent back at once (the hot/cold API makes that easy): the background
+    deletion of its old L4 copy — the same object id, gathered for 50 ms — must not delete the new one."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never", l2="64M", l3="64M")
+    files = {f"b{i}.kv": sample_bytes(40 + i) for i in range(4)}
+    for name, data in files.items():
+        write(m.path(name), data)
+    for _ in range(3):
+        for name in files:
+            for tier in (b"L4", b"L2", b"L4"):  # each call returns once the object is there
+                os.setxattr(m.path(name), "user.kvfs.tier", tier)
+    st = settle(m)
+    assert len(l4_keys(ceph, prefix)) == len(files) == st["tiers"]["L4"]["files"]
+    for name, data in files.items():
+        assert tier_of(m.path(name)) == "L4"
+        fd = os.open(m.path(name), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # from L4, not the page cache
+        os.close(fd)
+        assert m.path(name).read_bytes() == data, name

@@ -11,6 +11,8 @@ load leaves its files where they are):
                  returning with no warning
   L3+prefetch    the same, then `kvfs.client.prefetch` and a wait until every file is in L2 (the prefetch
                  time is reported: how early an engine must ask), then the load
+  L4 cold, L4+prefetch   the same with the conversation demoted to L4, with --ceph: a real one-host Ceph
+                 cluster started for the run (tools/ceph_cluster.py, RGW on 127.0.0.1:7492)
 
 A load reads every file as the vLLM connector does (kvfs.direct.read_file, --threads readers) and compares it
 with its source (wrong bytes abort, exit status 3). Reported per variant: load time p50 over conversations and
@@ -31,10 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 from bench_l4 import Mount, drop_page_cache, kv_files  # noqa: E402
+from ceph_cluster import BUCKET, CephCluster  # noqa: E402
 
 from kvfs import client, direct  # noqa: E402
 
-VARIANTS = ("L2", "L3 cold", "L3+prefetch")
+VARIANTS = ("L2", "L3 cold", "L3+prefetch", "L4 cold", "L4+prefetch")
 POLL_S = 0.005
 
 
@@ -58,11 +61,12 @@ def measure(variant: str, paths: list[Path], expected: list[bytes], l3_dir: Path
     if variant == "L2":
         client.demote(paths, to="L2")
         return {"load_s": load(paths, expected, threads)}
-    client.demote(paths, to="L3")
+    tier = variant[:2]
+    client.demote(paths, to=tier)
     for obj in l3_dir.rglob("*"):  # the objects come from the disk, not the page cache
         if obj.is_file():
             drop_page_cache(obj)
-    if variant == "L3 cold":
+    if variant.endswith("cold"):
         return {"load_s": load(paths, expected, threads)}
     started = time.perf_counter()
     client.prefetch(paths)
@@ -80,18 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4, help="readers per load (the connector's io_threads)")
     ap.add_argument("--l3-dir", type=Path, default=Path("/var/tmp"))
+    ap.add_argument("--ceph", action="store_true", help="also L4 on a real Ceph RGW started for the run")
     ap.add_argument("--out", type=Path, default=Path("bench_hotcold.json"))
     args = ap.parse_args(argv)
+    variants = VARIANTS if args.ceph else VARIANTS[:3]
 
     blobs = kv_files(args.data, args.conversations * args.files)
     with tempfile.TemporaryDirectory(prefix="bench-hotcold-") as tmp, \
             tempfile.TemporaryDirectory(prefix="bench-hotcold-l2-", dir="/dev/shm") as l2, \
             tempfile.TemporaryDirectory(prefix="bench-hotcold-l3-", dir=args.l3_dir) as l3:
         base = Path(tmp)
-        mount = Mount(base, "mnt", {}, "--l2", f"{l2}:1G", "--l3", f"{l3}:4G",
+        cluster, l4 = None, []
+        if args.ceph:
+            cluster = CephCluster(base / "ceph", port=7492, mon_ports=(3312, 6801))  # beside test clusters
+            cluster.start()
+            l4 = ["--l4", f"s3://{BUCKET}/bench-hotcold-{int(time.time())}"]
+        mount = Mount(base, "mnt", cluster.env if cluster else {}, "--l2", f"{l2}:1G", "--l3", f"{l3}:4G", *l4,
                       "--promote", "never", "--codec", "auto")
-        mount.start()
         try:
+            mount.start()
             convs = []
             for c in range(args.conversations):
                 paths = []
@@ -104,15 +115,19 @@ def main(argv: list[str] | None = None) -> int:
             records = []
             for rnd in range(args.rounds):
                 for c, (paths, expected) in enumerate(convs):
-                    shift = (rnd + c) % len(VARIANTS)
-                    for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                    shift = (rnd + c) % len(variants)
+                    for variant in variants[shift:] + variants[:shift]:
                         rec = measure(variant, paths, expected, Path(l3), args.threads)
                         records.append({"round": rnd, "conversation": c, "variant": variant,
                                         "bytes": sum(map(len, expected)), **rec})
             stats = mount.stats()
-        finally:
             mount.stop()
-    report = summarize(records)
+        finally:
+            if mount.proc is not None and mount.proc.poll() is None:
+                mount.stop()
+            if cluster is not None:
+                cluster.stop()
+    report = summarize(records, variants)
     for key in ("errors", "checksum_failures", "commit_failures"):
         if stats[key]:
             print(f"the daemon counted {stats[key]} {key}", file=sys.stderr)
@@ -125,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[dict], variants: tuple[str, ...]) -> dict:
     l2 = {(r["round"], r["conversation"]): r["load_s"] for r in records if r["variant"] == "L2"}
     out = {}
-    for variant in VARIANTS:
+    for variant in variants:
         rows = [r for r in records if r["variant"] == variant]
         out[variant] = {
             "load_ms_p50": round(1000 * statistics.median(r["load_s"] for r in rows), 2),
