@@ -3,8 +3,9 @@
 L3 after a prefetch — on real KV files, side by side in one run.
 
 A "conversation" is --files real KV files (tests/data/kv or --data DIR). Each round, every conversation is
-measured in every variant, in a rotating order, on one mount (L2 on tmpfs, L3 on --l3-dir, promote never so a
-load leaves its files where they are):
+measured in every variant, in a rotating order, on one mount (L2 on tmpfs, L3 on --l3-dir, the default
+promotion policy: a load from L3 reads there and promotes in the background; one from L4 promotes first — one
+whole-object GET — and reads the L2 copy, as kvfs.direct does):
 
   L2             the conversation is in L2 (`kvfs demote --to L2`): the hot case, what a pin keeps
   L3 cold        demoted to L3 (`kvfs demote --to L3`), its objects dropped from the page cache: a session
@@ -42,6 +43,8 @@ POLL_S = 0.005
 
 
 def load(paths: list[Path], expected: list[bytes], threads: int) -> float:
+    for p in paths:  # the kernel keeps a FUSE file's pages across opens: every byte must come from kvfs
+        drop_page_cache(p)
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         got = list(pool.map(lambda p: direct.read_file(p)[0], paths))
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="readers per load (the connector's io_threads)")
     ap.add_argument("--l3-dir", type=Path, default=Path("/var/tmp"))
     ap.add_argument("--ceph", action="store_true", help="also L4 on a real Ceph RGW started for the run")
-    ap.add_argument("--out", type=Path, default=Path("bench_hotcold.json"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_hotcold.json")
     args = ap.parse_args(argv)
     variants = VARIANTS if args.ceph else VARIANTS[:3]
 
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster.start()
             l4 = ["--l4", f"s3://{BUCKET}/bench-hotcold-{int(time.time())}"]
         mount = Mount(base, "mnt", cluster.env if cluster else {}, "--l2", f"{l2}:1G", "--l3", f"{l3}:4G", *l4,
-                      "--promote", "never", "--codec", "auto")
+                      "--codec", "auto")
         try:
             mount.start()
             convs = []
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             return 3
     doc = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": report, "records": records,
            "daemon": {k: stats[k] for k in ("requested_moves", "prefetches")}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))
     print_table(report, convs[0][1])
     print(f"saved {args.out}")
