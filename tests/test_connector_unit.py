@@ -18,6 +18,7 @@ from kvfs_connector.chunkfile import ChunkMismatch
 from kvfs_connector.mount import MountGuard
 from kvfs_connector.plan import Planner
 from kvfs_connector.settings import Settings
+from connector_fakes import FakeRequest
 
 torch = pytest.importorskip("torch", reason="torch comes with tools/install_vllm.sh")
 from kvfs_connector import layout as layouts
@@ -206,20 +207,6 @@ def test_block_bytes_layout_round_trip_with_special_values():
 
 
 # -- planner --------------------------------------------------------------------------------------------------
-class FakeRequest:
-    """The parts of vllm.v1.request.Request the planner reads; hashes chained like vLLM's."""
-
-    def __init__(self, rid: str, tokens: list[int], prompt_len: int, hash_block: int = 128) -> None:
-        self.request_id = rid
-        self.prompt_token_ids = tokens[:prompt_len]
-        self.all_token_ids = list(tokens)
-        self.block_hashes = []
-        parent = b"seed"
-        for i in range(len(tokens) // hash_block):
-            parent = naming.hashlib.sha256(parent + repr(tokens[i * hash_block:(i + 1) * hash_block]).encode()).digest()
-            self.block_hashes.append(parent)
-
-
 def _planner(tmp_path, **kw):
     return Planner(mount=str(tmp_path), namespaces=lambda: ["ns"], block_size=128, hash_block_size=128,
                    chunk_size=256, save_decode=kw.get("save_decode", True),

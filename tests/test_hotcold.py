@@ -288,7 +288,7 @@ def test_copy_in_and_out_with_xattrs(make_mount, tmp_path, tool):
 def test_connector_prefetches_scheduled_chunks_and_marks_finished_ones_idle(make_mount):
     """prefetch: a request's stored chunks go to L2 as soon as the scheduler looks it up; demote_after_idle_s:
     a finished request's chunks go down a tier once nobody read them for that long."""
-    from test_connector_unit import FakeRequest
+    from connector_fakes import FakeRequest
 
     from kvfs_connector.mount import MountGuard
     from kvfs_connector.plan import Planner
