@@ -80,7 +80,11 @@ class DirectoryTier(Tier):
                 continue  # only shard directories hold objects
             for entry in os.scandir(shard):
                 if entry.is_file(follow_symlinks=False) and not self._is_stray(Path(entry.path)):
-                    yield ObjectInfo(entry.name, entry.stat(follow_symlinks=False).st_size)
+                    try:
+                        size = entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue  # deleted since the directory was read (a live fsck lists while moves run)
+                    yield ObjectInfo(entry.name, size)
 
     def _is_stray(self, path: Path) -> bool:
         return path.name.endswith(TMP_SUFFIX) or path.parent != self._path(path.name).parent
