@@ -245,9 +245,13 @@ class Operations(pyfuse3.Operations):
         if row is None or row["nlink"] > 0:
             return
         self.index.delete_inode(ino)
-        ref = ObjectRef.of_row(row)
+        await self._discard_object(ObjectRef.of_row(row))
+
+    async def _discard_object(self, ref: ObjectRef | None) -> None:
+        """The object of a file that is gone. A published one's shared object is not this mount's to delete
+        (unlink and drop decide about it): only its claim on the tier goes."""
         if ref is not None and ref.key is not None:
-            self.store.release(ref.tier, ref.stored_bytes)  # published: unlink decided about the shared object
+            self.store.release(ref.tier, ref.stored_bytes)
         elif ref is not None:
             await self.store.delete(ref)
 
@@ -843,18 +847,13 @@ class Operations(pyfuse3.Operations):
             if row["published_key"] and self.shared is not None:
                 tier = self.shared.tier
                 await self.store.io(tier.name, tier.delete_if, row["published_key"], row["published_etag"])
-            names = self.index.entries_of(ino)
             ref = ObjectRef.of_row(row)
             if ino in self.open_files:
+                names = self.index.entries_of(ino)
                 self.index.drop_file(ino)  # the object goes at the last release (_maybe_delete)
             else:
-                self.index.drop_file(ino, forget_object=True)
-                if ino not in self.lookups:
-                    self.index.delete_inode(ino)
-                if ref is not None and ref.key is not None:
-                    self.store.release(ref.tier, ref.stored_bytes)
-                elif ref is not None:
-                    await self.store.delete(ref)
+                names = self.drop_evicted(ino)
+                await self._discard_object(ref)
             if ref is not None:
                 c = self.counters.tier(ref.tier)
                 c.dropped_files += 1
@@ -863,7 +862,7 @@ class Operations(pyfuse3.Operations):
         return True
 
     def drop_evicted(self, ino: int) -> list[tuple[int, bytes]]:
-        """The mover evicts a file: its names and its object reference go from the index. Returns the names,
+        """A file is evicted (or dropped): its names and its object reference go from the index. Returns the names,
         for `forget_names` once the object is deleted."""
         names = self.index.entries_of(ino)
         self.index.drop_file(ino, forget_object=True)

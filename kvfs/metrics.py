@@ -38,7 +38,7 @@ TIER_COUNTERS = {f.name for f in dataclasses.fields(stats.TierCounters)} | {
     "read_bytes", "requests", "bytes_downloaded", "bytes_uploaded", "failures", "timeouts", "quarantined",
     "breaker_opened"}
 GLOBAL_COUNTERS = {f.name for f in dataclasses.fields(stats.Counters)} - {"tiers"}
-GAUGES = {"pinned_files", "pinned_bytes", "pin_limit_bytes"}  # states, wherever they are kept
+GAUGES = {"pinned_files", "pinned_bytes"}  # states, wherever they are kept
 RENAMED = {"frame_size": "frame_size_bytes"}  # a unit the field name leaves implicit
 SKIPPED = {"version", "pid", "tiers", "mover", "qat"}  # identity, or mapped on their own below
 HELP = {

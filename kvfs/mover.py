@@ -29,6 +29,7 @@ than its capacity, except a commit's new object beside the one it replaces, for 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import time
@@ -68,7 +69,7 @@ class Mover:
         self.watermarks = {t.name: (t.high_watermark, t.low_watermark) for t in tiers}
         self.idle_s = idle_s  # the mount's default idle period (I8); 0 = off
         self._idle_swept = 0.0
-        self._move_log: dict[str, list] = {}  # tier → moves out not logged yet (see _flush_move_log)
+        self._move_log: dict[str, _MovesOut] = {}  # tier → moves out not logged yet (see _flush_move_log)
         self._move_logged: dict[str, float] = {}
         self._room = {t.name: trio.Lock() for t in self.order}  # one agent frees room in a tier at a time
         self._slots = trio.CapacityLimiter(MOVES_IN_FLIGHT)
@@ -218,26 +219,28 @@ class Mover:
         moved = [a - b for a, b in zip(self._moved_out(tier), before)]
         if not moved[0] and not moved[2]:
             return
-        pending = self._move_log.setdefault(tier.name, [0, 0, 0, 0, set(), 0.0])
-        for i in range(4):
-            pending[i] += moved[i]
-        pending[4].add(why)
-        pending[5] += time.monotonic() - started
+        pending = self._move_log.setdefault(tier.name, _MovesOut())
+        pending.demoted += moved[0]
+        pending.demoted_bytes += moved[1]
+        pending.evicted += moved[2]
+        pending.evicted_bytes += moved[3]
+        pending.why.add(why)
+        pending.busy_s += time.monotonic() - started
         self._flush_move_log()
 
     def _flush_move_log(self, force: bool = False) -> None:
         """One line per tier and LOG_MOVES_EVERY_S at most, summing its batches: under steady pressure every
         commit may make room, and a line each would be a line per request."""
         now = time.monotonic()
-        for name, (demoted, demoted_bytes, evicted, evicted_bytes, why, busy_s) in list(self._move_log.items()):
+        for name, m in list(self._move_log.items()):
             if not force and now - self._move_logged.get(name, -1e9) < LOG_MOVES_EVERY_S:
                 continue
             tier = self.store.tiers[name]
             nxt = self._next_tier(tier)
-            parts = [f"{demoted} files ({demoted_bytes >> 20} MiB) demoted to {nxt.name}"] if demoted else []
-            parts += [f"{evicted} files ({evicted_bytes >> 20} MiB) evicted"] if evicted else []
-            log.info("%s %s: %s in %.1f s; %d of %d MiB used", name, ", ".join(sorted(why)), ", ".join(parts),
-                     busy_s, tier.used_bytes >> 20, tier.capacity >> 20)
+            parts = [f"{m.demoted} files ({m.demoted_bytes >> 20} MiB) demoted to {nxt.name}"] if m.demoted else []
+            parts += [f"{m.evicted} files ({m.evicted_bytes >> 20} MiB) evicted"] if m.evicted else []
+            log.info("%s %s: %s in %.1f s; %d of %d MiB used", name, ", ".join(sorted(m.why)), ", ".join(parts),
+                     m.busy_s, tier.used_bytes >> 20, tier.capacity >> 20)
             del self._move_log[name]
             self._move_logged[name] = now
 
@@ -467,10 +470,13 @@ class Mover:
         reads = self._reads[ino] = self._reads.get(ino, 0) + 1
         if reads < self.promotion.after_reads:
             return False
+        self._queue_promotion(ino)
+        return True
+
+    def _queue_promotion(self, ino: int) -> None:
         if ino not in self._promotions:
             self._promotions[ino] = None
             self.wake()
-        return True
 
     async def promote_now(self, ino: int) -> bool:
         """Promote a queued file in the caller's task (a read from a remote tier waits for one whole-object GET
@@ -522,9 +528,7 @@ class Mover:
         if row is None or not row["obj_gen"] or row["obj_tier"] == self.order[0].name:
             return False
         self.index.note_access(ino)  # about to be used: not the first file a drain of L2 picks
-        if ino not in self._promotions:
-            self._promotions[ino] = None
-            self.wake()
+        self._queue_promotion(ino)
         return True
 
     # -- pins and the idle policy (I8) ---------------------------------------------------------------------
@@ -542,9 +546,7 @@ class Mover:
             return
         self._idle_swept = now
         for ino in self.index.pinned_away(self.order[0].name, CANDIDATES):
-            if ino not in self._promotions:
-                self._promotions[ino] = None
-                self.wake()
+            self._queue_promotion(ino)
         for k, tier in enumerate(self.order[:-1], start=1):
             dest = self.order[k]
             if not dest.available():
@@ -631,6 +633,17 @@ class Mover:
         row = self.index.get(ino)
         if row is not None and row["obj_gen"] and not self.store.tiers[row["obj_tier"]].persistent:
             raise OSError(errno.ENOSPC, f"no room to make inode {ino} durable in {persistent[0].name}")
+
+
+@dataclasses.dataclass
+class _MovesOut:
+    """Moves out of a tier since its last log line."""
+    demoted: int = 0
+    demoted_bytes: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+    why: set[str] = dataclasses.field(default_factory=set)  # drained, made room, idle policy
+    busy_s: float = 0.0
 
 
 async def _forget_nothing(ino: int, names: list[tuple[int, bytes]]) -> None:
