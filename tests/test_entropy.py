@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +208,89 @@ def test_every_codec_round_trips_special_data(codec, transform):
         entry = frame.entry_at(0)
         assert bytes(fmt.decode_frame(entry, frame.payload)) == data
         assert len(frame.payload) <= len(data)
+
+
+KERNEL_SOURCE = Path(entropy.__file__).with_name("_entropy.c")
+LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128  # SmolLM2-135M, vLLM's CPU block of 128 tokens
+
+
+def connector_chunk(block: bytes) -> tuple[bytes, bytes]:
+    """A native KV block laid out as the connector writes a chunk: a 4 KiB header, then
+    [layer][kv][head][channel][token]; and the shape hint it sets."""
+    x = np.frombuffer(block, dtype="<u2").reshape(LAYERS, HEADS, 2, BLOCK * DIM)
+    k = x[:, :, 0].reshape(LAYERS, HEADS, DIM, BLOCK)
+    v = x[:, :, 1].reshape(LAYERS, HEADS, BLOCK, DIM).transpose(0, 1, 3, 2)
+    header = b'{"kvfs_connector": 1}'.ljust(4096, b"\0")
+    hint = f"offset=4096 layer={LAYERS} kv=2 head={HEADS} channel={DIM} token={BLOCK}".encode()
+    return header + np.ascontiguousarray(np.stack([k, v], axis=1)).tobytes(), hint
+
+
+def test_stride_1_codes_the_signs_and_other_strides_keep_version_1():
+    """Version 2 (signs coded from the channel's previous signs, low bits packed) for stride 1; it is what
+    takes real bf16 blocks below 0.66 (version 1 stored them at 0.664)."""
+    frame = kv_samples("bf16")[0].read_bytes()[:1 << 20]
+    v2, v1 = round_trip(frame, 1), round_trip(frame, 64)
+    assert v2[0] == 2 and v1[0] == 1
+    assert len(v2) / len(frame) < 0.66 < len(v1) / len(frame)
+
+
+def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
+    """The kernel built without SIMD (as on a machine without SSE2) writes byte-identical payloads and
+    decodes what the SIMD build wrote, and the other way round."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler builds the kernel; it must be here"
+    portable = tmp_path / "portable.so"
+    subprocess.run([compiler, "-O2", "-std=c11", "-DKVEC_NO_SIMD", "-shared", "-fPIC", str(KERNEL_SOURCE),
+                    "-o", str(portable)], check=True)
+    libs = [entropy._lib, ctypes.CDLL(str(portable))]
+    for lib in libs[1:]:
+        lib.kvec_encode.restype = ctypes.c_int64
+        lib.kvec_encode.argtypes = entropy._lib.kvec_encode.argtypes
+        lib.kvec_decode.argtypes = entropy._lib.kvec_decode.argtypes
+    block = kv_samples("bf16")[0].read_bytes()
+    datasets = [block[:1 << 20], connector_chunk(block)[0][:(1 << 20) + 3], kv_samples("fp16")[0].read_bytes()[:99_999],
+                special_floats("bf16", 4099), special_floats("fp16", 17), bytes(33)]
+    for data in datasets:
+        for stride in (1, 64):
+            src = np.frombuffer(data, dtype=np.uint8)
+            payloads = []
+            for lib in libs:
+                out = np.zeros(len(data) + entropy.OVERHEAD, dtype=np.uint8)
+                size = lib.kvec_encode(src.ctypes.data, src.size, stride, entropy.WINDOW_LOG, out.ctypes.data, out.size)
+                assert size > 0, (len(data), stride, size)
+                payloads.append(out[:size].tobytes())
+            assert payloads[0] == payloads[1], (len(data), stride)
+            for lib in libs:
+                dec = np.empty(len(data), dtype=np.uint8)
+                pay = np.frombuffer(payloads[0], dtype=np.uint8)
+                assert lib.kvec_decode(pay.ctypes.data, pay.size, dec.ctypes.data, dec.size) == 0
+                assert dec.tobytes() == data
+
+
+def test_connector_chunks_store_below_066_through_the_mount(make_mount):
+    """The issue's target for connector-written chunks with their shape hint, headers included."""
+    m = make_mount().start()
+    raw = stored = 0
+    for i, src in enumerate(kv_samples("bf16")):
+        data, hint = connector_chunk(src.read_bytes())
+        path = m.path(f"c{i}.kv")
+        path.touch()
+        os.setxattr(path, "user.kvfs.shape", hint)
+        path.write_bytes(data)
+        assert os.getxattr(path, "user.kvfs.codec") == b"entropy"
+        assert path.read_bytes() == data
+        raw += len(data)
+        stored += int(os.getxattr(path, "user.kvfs.stored_bytes"))
+    assert stored / raw <= 0.66, stored / raw
+
+
+def test_version_1_payloads_still_decode():
+    """A stride-1 payload written by version 1 of the codec (before signs were coded): files written by
+    earlier kvfs releases stay readable. tests/data/entropy-v1-stride1.payload = the first 65,539 bytes of
+    bf16-prose-0004.kv, encoded by that version."""
+    payload = (Path(__file__).parent / "data" / "entropy-v1-stride1.payload").read_bytes()
+    data = (Path(__file__).parent / "data" / "kv" / "bf16-prose-0004.kv").read_bytes()[:65_539]
+    assert payload[0] == 1 and payload[3] == 4  # version 1, 4 streams: the fast 4-stream loop runs
+    out = bytearray(len(data))
+    entropy.decode_into(payload, out)
+    assert bytes(out) == data

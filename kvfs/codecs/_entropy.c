@@ -6,7 +6,12 @@
  * e is Huffman-coded with a table chosen by its context: the rounded mean of the K previous e values at a
  * stride d (d = distance between neighbouring tokens of one channel, from the shape hint; 1 otherwise).
  * That context stands in for per-channel statistics without sending any: a channel's exponents stay close
- * to their running mean. The byte-level format is docs/format.md ("codec 4"); keep the two in step.
+ * to their running mean. Version 1 stores r raw. Version 2 (stride 1) codes the signs too, four at a time
+ * with a table chosen by how many of the previous eight were negative (a channel's signs persist: 0.85
+ * bits per sign on real KV), in streams of their own, and packs the 7 low bits 16 elements to 14 bytes; its
+ * context sum is a moving average, S <- S - S/4 + (sum of the group's 4 values), which is as sharp as the
+ * 16-value window (2.53 bits per exponent on real KV either way) and needs no history of decoded values. The byte-level format is
+ * docs/format.md ("codec 4"); keep the two in step.
  *
  * Safety: kvec_decode never reads or writes out of bounds on any input (every field is checked, every
  * stream is padded and its bit position bounded); it returns a negative code on any inconsistency.
@@ -16,7 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define VERSION 1
+#define VERSION_R 1      /* r stored raw */
+#define VERSION_SIGNS 2  /* signs coded, low bits packed (stride 1 only) */
 #define FIXED 16          /* bytes of the fixed payload header */
 #define MAX_STREAMS 8
 #define MAX_CTX 64
@@ -24,6 +30,14 @@
 #define MAX_STRIDE 4096
 #define GROUP 4           /* stride 1: elements that share one context (and one table lookup base) */
 #define PAD 16            /* zero bytes after the last stream: 8-byte loads never leave the payload */
+#define SIGN_CTX 9        /* version 2: sign tables, by the count of negatives among the previous 8 signs */
+#define SIGN_LEN 8        /* longest sign code; sign decode tables have 1 << SIGN_LEN entries */
+#define ALIGN 16          /* version 2: streams start at multiples of 16 elements (one packed low-bit group) */
+
+#if defined(__SSE2__) && !defined(KVEC_NO_SIMD)
+#include <emmintrin.h>
+#define KVEC_SIMD 1
+#endif
 
 typedef uint16_t u16_unaligned __attribute__((aligned(1), may_alias));
 typedef uint32_t u32_unaligned __attribute__((aligned(1), may_alias));
@@ -119,11 +133,97 @@ static void canonical_codes(const uint8_t *len, uint32_t *codes) {
     for (int s = 0; s < 256; s++) codes[s] = len[s] ? next_code[len[s]]++ : 0;
 }
 
+/* ---- layout shared by both directions ---- */
+
+typedef struct { int version, n_streams, window_log, stride, n_ctx, ctx_lo, fill, tail; size_t n; } params_t;
+
+/* First element of stream s (s = n_streams: n). Version 2 starts streams at multiples of ALIGN, so every
+ * stream but the last holds whole groups of packed low bits and whole sign quads. */
+static inline size_t stream_start(const params_t *p, int s) {
+    if (s >= p->n_streams) return p->n;
+    if (p->version == VERSION_SIGNS) return (p->n / ALIGN) * (size_t)s / (size_t)p->n_streams * ALIGN;
+    return p->n * (size_t)s / (size_t)p->n_streams;
+}
+
+/* Version 2's low-bit section: 14 bytes per 16 elements, then one byte per remaining element. */
+static inline size_t packed_low_bytes(size_t n) { return n / ALIGN * 14 + n % ALIGN; }
+
+#ifdef KVEC_SIMD
+/* 16 bits -> 16 bytes, byte j = 0x80 when bit j is set. */
+static inline __m128i spread_bits(uint32_t bits) {
+    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+    __m128i v = _mm_set_epi64x((int64_t)(((bits >> 8) & 0xFF) * 0x0101010101010101ull),
+                               (int64_t)((bits & 0xFF) * 0x0101010101010101ull));
+    v = _mm_cmpeq_epi8(_mm_and_si128(v, sel), sel);
+    return _mm_and_si128(v, _mm_set1_epi8((char)0x80));
+}
+#endif
+
 /* ---- encoder ---- */
 
-typedef struct { int n_streams, window_log, stride, n_ctx, ctx_lo, fill; size_t n; } params_t;
+/* Set bits of a byte (no popcnt instruction in baseline x86-64: the builtin would be a call). */
+#define B2(k) k, k + 1, k + 1, k + 2
+#define B4(k) B2(k), B2(k + 1), B2(k + 1), B2(k + 2)
+#define B6(k) B4(k), B4(k + 1), B4(k + 1), B4(k + 2)
+static const uint8_t POP8[256] = {B6(0), B6(1), B6(1), B6(2)};
 
-static inline size_t stream_start(size_t n, int n_streams, int s) { return n * (size_t)s / (size_t)n_streams; }
+/* A sign quad with its context, as one symbol index: ctx * 16 + quad, ctx = negatives among the stream's
+ * previous 8 signs (the two quads before; none before the stream's start). `w` holds those 8 signs in its
+ * low byte and the quad above them. */
+static inline uint8_t sign_symbol(uint32_t w) { return (uint8_t)(POP8[w & 0xFF] * 16 + ((w >> 8) & 15)); }
+
+/* Version 2 split: e bytes, one sign symbol per 4 elements (quad bit k = sign of element 4g + k), low 7 bits
+ * packed (16 elements -> 14 bytes: bytes 0..13 hold elements 0..13 in their low 7 bits, their top bits hold
+ * elements 14 and 15 as the 14-bit number low14 | low15 << 7). `low` needs 2 bytes of slack after it. */
+static void split_signs(const uint8_t *src, const params_t *p, uint8_t *restrict e, uint8_t *restrict sym,
+                        uint8_t *restrict low) {
+    const u16_unaligned *x = (const u16_unaligned *)src;
+    const size_t n = p->n, groups = n / ALIGN;
+    size_t next_start = 0;
+    int s = 0;
+    uint32_t prev = 0;  /* the signs of the 16 elements before, within the stream */
+    for (size_t k = 0; k < groups; k++) {
+        const size_t i = k * ALIGN;
+        if (i == next_start) { prev = 0; next_start = stream_start(p, ++s); }
+        uint32_t signs;
+#ifdef KVEC_SIMD
+        __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
+        const __m128i byte = _mm_set1_epi16(0xFF), seven = _mm_set1_epi16(0x7F);
+        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte), _mm_and_si128(_mm_srli_epi16(b, 7), byte));
+        __m128i mv = _mm_packus_epi16(_mm_and_si128(a, seven), _mm_and_si128(b, seven));
+        signs = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, b));
+        uint32_t top = (uint32_t)_mm_extract_epi16(mv, 7);
+        uint32_t extra = (top & 0x7F) | ((top >> 8) & 0x7F) << 7;
+        _mm_storeu_si128((__m128i *)(e + i), ev);
+        _mm_storeu_si128((__m128i *)(low + k * 14), _mm_or_si128(mv, spread_bits(extra)));
+#else
+        uint8_t m[ALIGN];
+        signs = 0;
+        for (int j = 0; j < ALIGN; j++) {
+            uint32_t v = x[i + j];
+            e[i + j] = (uint8_t)(v >> 7);
+            m[j] = (uint8_t)(v & 0x7F);
+            signs |= (v >> 15) << j;
+        }
+        uint32_t extra = m[14] | (uint32_t)m[15] << 7;
+        for (int j = 0; j < 14; j++) low[k * 14 + j] = (uint8_t)(m[j] | ((extra >> j) & 1) << 7);
+#endif
+        const uint32_t w = prev >> 8 | signs << 8;  /* bits 0..7: the two quads before quad 0 */
+        for (int t = 0; t < 4; t++) sym[i / 4 + t] = sign_symbol(w >> (4 * t));
+        prev = signs;
+    }
+    if (groups * ALIGN == n) return;
+    if (groups * ALIGN == next_start) prev = 0;  /* the rest starts a stream (n < 16) */
+    uint32_t signs = 0;
+    for (size_t i = groups * ALIGN; i < n; i++) {
+        uint32_t v = x[i];
+        e[i] = (uint8_t)(v >> 7);
+        low[groups * 14 + (i - groups * ALIGN)] = (uint8_t)(v & 0x7F);
+        signs |= (v >> 15) << (i - groups * ALIGN);
+    }
+    const uint32_t w = prev >> 8 | signs << 8;
+    for (size_t g = groups * 4; g < (n + 3) / 4; g++) sym[g] = sign_symbol(w >> (4 * (g - groups * 4)));
+}
 
 /* Stride 1: the mean of the K values before each group of GROUP, from group sums (vectorisable passes).
  * History before the stream's first element is `fill`. G has room for n / GROUP + K / GROUP + 1 sums. */
@@ -156,13 +256,37 @@ static void group_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n
     for (size_t j = 0; j < groups; j += 8) mhist[m[j * GROUP]]++;  /* a sample: it only places the window */
 }
 
+/* Version 2: the context of each group of GROUP from the moving average S (S = 16 * fill before the
+ * stream's first group); the mean is (S + 8) >> 4 as in version 1 with K = 16. */
+static void moving_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n, const params_t *p,
+                         uint32_t *restrict G, uint32_t *mhist) {
+    const u32_unaligned *x = (const u32_unaligned *)e;
+    u32_unaligned *out = (u32_unaligned *)m;
+    const size_t full = n / GROUP;
+    for (size_t j = 0; j < full; j++) {  /* group sums first: this pass vectorises, the average cannot */
+        const uint32_t v = x[j];
+        G[j] = (v & 0xFF) + ((v >> 8) & 0xFF) + ((v >> 16) & 0xFF) + (v >> 24);
+    }
+    uint32_t S = 16u * (uint32_t)p->fill;
+    for (size_t j = 0; j < full; j++) {
+        out[j] = ((S + 8) >> 4) * 0x01010101u;
+        S = S - (S >> 2) + G[j];
+    }
+    if (full * GROUP < n) memset(m + full * GROUP, (int)((S + 8) >> 4), n - full * GROUP);
+    for (size_t j = 0; j < full; j += 8) mhist[m[j * GROUP]]++;  /* a sample: it only places the window */
+}
+
 /* Context of every element: round(mean of the K previous e at stride d), history before a stream's first
  * element being `fill`; the encoder clamps it to a table index. Also counts (a sample of) the means in
  * mhist, which the caller zeroes. */
 static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p, uint32_t *mhist) {
     const int K = 1 << p->window_log, d = p->stride;
     for (int s = 0; s < p->n_streams; s++) {
-        size_t a = stream_start(p->n, p->n_streams, s), b = stream_start(p->n, p->n_streams, s + 1);
+        size_t a = stream_start(p, s), b = stream_start(p, s + 1);
+        if (p->version == VERSION_SIGNS) {
+            moving_means(e + a, m + a, b - a, p, (uint32_t *)sums, mhist);
+            continue;
+        }
         if (d == 1) {  /* one context per GROUP elements: the decoder looks up one table per group */
             group_means(e + a, m + a, b - a, p, (uint32_t *)sums, mhist);
             continue;
@@ -200,21 +324,59 @@ static int choose_window(const uint32_t *hist, int *lo) {
 
 static inline void store_be64(uint8_t *p, uint64_t v) { v = __builtin_bswap64(v); memcpy(p, &v, 8); }
 
+/* One table's code lengths (symbols first..last, 4 bits each) at out; returns the bytes written. */
+static size_t put_lengths(const uint8_t *lens, int first, int last, uint8_t *out) {
+    size_t nl = first > last ? 0 : (size_t)(last - first + 1), w = 0;
+    for (size_t k = 0; k < nl; k += 2)
+        out[w++] = (uint8_t)(lens[first + k] | (k + 1 < nl ? lens[first + k + 1] : 0) << 4);
+    return w;
+}
 
-/* m holds the context means; clamp maps them to table indices. */
-static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict m, const uint8_t *clamp,
-                              const params_t *p, uint8_t *dst, size_t cap, uint8_t *out) {
+/* Huffman-code one table's counts: codes[s] = code << 4 | length; returns the coded bits. */
+static uint64_t make_codes(const uint32_t *count, int max_len, uint8_t *lens, uint32_t *code) {
+    uint32_t codes[256];
+    uint64_t bits = 0;
+    huffman_lengths(count, lens, max_len);
+    canonical_codes(lens, codes);
+    for (int k = 0; k < 256; k++) { code[k] = codes[k] << 4 | lens[k]; bits += (uint64_t)count[k] * lens[k]; }
+    return bits;
+}
+
+/* Append code cl (code << 4 | length) to the bit accumulator acc holding nb bits (locals: a macro, so
+ * that no address of them is taken and they stay in registers). */
+#define PUT_CODE(cl)                                                                          \
+    do {                                                                                      \
+        const uint32_t cl_ = (cl);                                                            \
+        acc = (acc << (cl_ & 15)) | (cl_ >> 4);                                               \
+        nb += cl_ & 15;                                                                       \
+    } while (0)
+/* Four codes at once, joined pairwise first: one shift of acc per four codes, not four in a row. */
+#define PUT_CODE4(c0, c1, c2, c3)                                                             \
+    do {                                                                                      \
+        const uint32_t k0_ = (c0), k1_ = (c1), k2_ = (c2), k3_ = (c3);                        \
+        const uint64_t p01_ = (uint64_t)(k0_ >> 4) << (k1_ & 15) | (k1_ >> 4);                \
+        const uint64_t p23_ = (uint64_t)(k2_ >> 4) << (k3_ & 15) | (k3_ >> 4);                \
+        const uint32_t l23_ = (k2_ & 15) + (k3_ & 15), l_ = (k0_ & 15) + (k1_ & 15) + l23_;   \
+        acc = (acc << l_) | (p01_ << l23_ | p23_);                                            \
+        nb += l_;                                                                             \
+    } while (0)
+
+/* m holds the context means; clamp maps them to table indices; sym the sign symbols (version 2). */
+static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict m, const uint8_t *restrict sym,
+                              const uint8_t *clamp, const params_t *p, uint8_t *dst, size_t cap, uint8_t *out) {
     /* count per (context, symbol), in four tables for the same reason as the e sample */
     const size_t cnt_bytes = 4 * sizeof(uint32_t[MAX_CTX][256]);
     uint8_t *tables = grow(&tables_scratch, cnt_bytes + sizeof(uint32_t[MAX_CTX][256]));
     if (!tables) return KVEC_ERR_NOMEM;
     uint32_t (*cnt)[MAX_CTX][256] = (uint32_t (*)[MAX_CTX][256])tables;
     uint32_t (*code)[256] = (uint32_t (*)[256])(tables + cnt_bytes);  /* code << 4 | length */
+    const int signs = p->version == VERSION_SIGNS;
+    uint32_t scnt[SIGN_CTX][256], scode[SIGN_CTX * 16];
     for (int k = 0; k < 4; k++) memset(cnt[k], 0, (size_t)p->n_ctx * sizeof cnt[k][0]);
     size_t i = 0;
     if (p->stride == 1) {  /* one context per group of 4, groups counted from each stream's start */
         for (int s = 0; s < p->n_streams; s++) {
-            size_t j = stream_start(p->n, p->n_streams, s), b = stream_start(p->n, p->n_streams, s + 1);
+            size_t j = stream_start(p, s), b = stream_start(p, s + 1);
             for (; j + 4 <= b; j += 4) {
                 const size_t c = clamp[m[j]];
                 cnt[0][c][e[j]]++; cnt[1][c][e[j + 1]]++; cnt[2][c][e[j + 2]]++; cnt[3][c][e[j + 3]]++;
@@ -228,60 +390,100 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
         }
         for (; i < p->n; i++) cnt[0][clamp[m[i]]][e[i]]++;
     }
+    if (signs) {  /* four count tables in turn: runs of one symbol would wait on one counter */
+        uint32_t sc4[4][SIGN_CTX * 16];
+        const size_t quads = (p->n + 3) / 4;
+        memset(sc4, 0, sizeof sc4);
+        size_t g = 0;
+        for (; g + 4 <= quads; g += 4) {
+            sc4[0][sym[g]]++; sc4[1][sym[g + 1]]++; sc4[2][sym[g + 2]]++; sc4[3][sym[g + 3]]++;
+        }
+        for (; g < quads; g++) sc4[0][sym[g]]++;
+        memset(scnt, 0, sizeof scnt);
+        for (int c = 0; c < SIGN_CTX; c++)
+            for (int k = 0; k < 16; k++) {
+                const int i = c * 16 + k;
+                scnt[c][k] = sc4[0][i] + sc4[1][i] + sc4[2][i] + sc4[3][i];
+            }
+    }
     uint64_t total_bits = 0;
-    int64_t rc = 0;
     for (int c = 0; c < p->n_ctx; c++) {
-        uint32_t count[256], codes[256];
+        uint32_t count[256];
         uint8_t lens[256];
         for (int k = 0; k < 256; k++) count[k] = cnt[0][c][k] + cnt[1][c][k] + cnt[2][c][k] + cnt[3][c][k];
-        huffman_lengths(count, lens, MAX_LEN);
-        canonical_codes(lens, codes);
-        for (int k = 0; k < 256; k++) { code[c][k] = codes[k] << 4 | lens[k]; total_bits += (uint64_t)count[k] * lens[k]; }
+        total_bits += make_codes(count, MAX_LEN, lens, code[c]);
         /* table: u8 first, u8 last (first > last: empty), 4-bit lengths, low nibble first */
         int first = 0, last = 255;
         while (first < 256 && !lens[first]) first++;
         while (last >= 0 && !lens[last]) last--;
         if (first > last) { first = 1; last = 0; }
-        size_t nl = (size_t)(last - first + 1);
-        if ((size_t)(out - dst) + 2 + (nl + 1) / 2 + PAD > cap) { rc = KVEC_ERR_CAPACITY; goto done; }
+        if ((size_t)(out - dst) + 2 + 128 + PAD > cap) return KVEC_ERR_CAPACITY;
         *out++ = (uint8_t)first;
         *out++ = (uint8_t)last;
-        for (size_t k = 0; k < nl; k += 2)
-            *out++ = (uint8_t)(lens[first + k] | (k + 1 < nl ? lens[first + k + 1] : 0) << 4);
+        out += put_lengths(lens, first, last, out);
     }
-    /* streams end on byte boundaries: at most 7 padding bits each */
-    if ((size_t)(out - dst) + total_bits / 8 + (size_t)p->n_streams + PAD > cap) { rc = KVEC_ERR_CAPACITY; goto done; }
+    if (signs) {  /* SIGN_CTX tables of 16 lengths each */
+        if ((size_t)(out - dst) + SIGN_CTX * 8 + PAD > cap) return KVEC_ERR_CAPACITY;
+        for (int c = 0; c < SIGN_CTX; c++) {
+            uint8_t lens[256];
+            uint32_t codes[256];
+            total_bits += make_codes(scnt[c], SIGN_LEN, lens, codes);
+            memcpy(scode + c * 16, codes, 16 * sizeof codes[0]);
+            out += put_lengths(lens, 0, 15, out);
+        }
+    }
+    /* streams end on byte boundaries: at most 7 padding bits each (and 8-byte stores, within PAD) */
+    if ((size_t)(out - dst) + total_bits / 8 + 2 * (size_t)p->n_streams + PAD > cap) return KVEC_ERR_CAPACITY;
     for (int s = 0; s < p->n_streams; s++) {
-        size_t a = stream_start(p->n, p->n_streams, s), b = stream_start(p->n, p->n_streams, s + 1);
+        size_t a = stream_start(p, s), b = stream_start(p, s + 1);
         uint8_t *w = out;
         uint64_t acc = 0;
         uint32_t nb = 0;
         size_t j = a;
         for (; j + 4 <= b; j += 4) {  /* <= 7 + 4 * MAX_LEN bits in acc, then whole bytes out (8-byte store) */
-            const uint32_t *group_code = code[clamp[m[j]]];  /* stride 1: one context per group of 4 */
-            for (int k = 0; k < 4; k++) {
-                uint32_t cl = p->stride == 1 ? group_code[e[j + k]] : code[clamp[m[j + k]]][e[j + k]];
-                acc = (acc << (cl & 15)) | (cl >> 4);
-                nb += cl & 15;
+            if (p->stride == 1) {
+                const uint32_t *gc = code[clamp[m[j]]];  /* stride 1: one context per group of 4 */
+                PUT_CODE4(gc[e[j]], gc[e[j + 1]], gc[e[j + 2]], gc[e[j + 3]]);
+            } else {
+                PUT_CODE4(code[clamp[m[j]]][e[j]], code[clamp[m[j + 1]]][e[j + 1]],
+                          code[clamp[m[j + 2]]][e[j + 2]], code[clamp[m[j + 3]]][e[j + 3]]);
             }
             store_be64(w, acc << (64 - nb));
             w += nb >> 3;
             nb &= 7;
         }
         for (; j < b; j++) {
-            uint32_t cl = code[clamp[m[j]]][e[j]];
-            acc = (acc << (cl & 15)) | (cl >> 4);
-            nb += cl & 15;
+            PUT_CODE(code[clamp[m[j]]][e[j]]);
             if (nb >= 8) { store_be64(w, acc << (64 - nb)); w += nb >> 3; nb &= 7; }
         }
         if (nb) *w++ = (uint8_t)(acc << (8 - nb));
         put_u32(dst + FIXED + 4 * s, (uint32_t)(w - out));
         out = w;
     }
+    for (int s = 0; signs && s < p->n_streams; s++) {  /* version 2: then one sign stream per stream */
+        uint8_t *w = out;
+        uint64_t acc = 0;
+        uint32_t nb = 0;
+        const size_t g0 = stream_start(p, s) / 4, g1 = (stream_start(p, s + 1) + 3) / 4;
+        size_t g = g0;
+        for (; g + 4 <= g1; g += 4) {  /* <= 7 + 4 * SIGN_LEN bits */
+            PUT_CODE4(scode[sym[g]], scode[sym[g + 1]], scode[sym[g + 2]], scode[sym[g + 3]]);
+            store_be64(w, acc << (64 - nb));
+            w += nb >> 3;
+            nb &= 7;
+        }
+        for (; g < g1; g++) PUT_CODE(scode[sym[g]]);
+        if (nb >= 8) {
+            store_be64(w, acc << (64 - nb));
+            w += nb >> 3;
+            nb &= 7;
+        }
+        if (nb) *w++ = (uint8_t)(acc << (8 - nb));
+        put_u32(dst + FIXED + 4 * (p->n_streams + s), (uint32_t)(w - out));
+        out = w;
+    }
     memset(out, 0, PAD);
-    rc = (int64_t)(out + PAD - dst);
-done:
-    return rc;
+    return (int64_t)(out + PAD - dst);
 }
 
 /* Encode n_bytes of src into dst (capacity cap). Returns the payload size, or a negative code
@@ -291,25 +493,34 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
         return KVEC_ERR_ARGS;
     params_t p = {0};
     p.n = n_bytes / 2;
-    p.window_log = window_log;
+    p.version = stride == 1 ? VERSION_SIGNS : VERSION_R;
+    p.window_log = p.version == VERSION_SIGNS ? 4 : window_log;  /* version 2: the moving average's scale */
     p.stride = stride;
     p.n_streams = p.n >= 4096 ? 4 : 1;
-    const int tail = (int)(n_bytes & 1);
-    const size_t head = FIXED + 4 * (size_t)p.n_streams;
-    if (cap < head + p.n + tail + PAD) return KVEC_ERR_CAPACITY;
+    p.tail = (int)(n_bytes & 1);
+    const size_t head = FIXED + 4 * (size_t)p.n_streams * (p.version == VERSION_SIGNS ? 2 : 1);
+    if (cap < head + p.n + p.tail + PAD) return KVEC_ERR_CAPACITY;
 
-    uint8_t *work = scratch(p.n * 4 + 64);  /* e, m, then sums (stride > 1) or group sums (stride 1) */
+    /* scratch: e, m, sign quads, then sums (stride > 1) or group sums (stride 1) */
+    uint8_t *work = scratch(p.n * 4 + p.n / 4 + 128);
     if (!work) return KVEC_ERR_NOMEM;
-    uint8_t *restrict e = work, *restrict m = work + p.n;
-    uint16_t *sums = (uint16_t *)(work + ((2 * p.n + 3) & ~(size_t)3));
+    uint8_t *restrict e = work, *restrict m = work + p.n + 16, *restrict q = m + p.n + 16;
+    uint16_t *sums = (uint16_t *)(((uintptr_t)(q + p.n / 4 + 1) + 3) & ~(uintptr_t)3);
     uint8_t *restrict r = dst + head;
-    const u16_unaligned *x = (const u16_unaligned *)src;
-    for (size_t i = 0; i < p.n; i++) {  /* little-endian hosts (x86, arm64) */
-        uint32_t v = x[i];
-        e[i] = (uint8_t)(v >> 7);
-        r[i] = (uint8_t)(((v >> 8) & 0x80) | (v & 0x7F));
+    size_t r_len;
+    if (p.version == VERSION_SIGNS) {
+        split_signs(src, &p, e, q, r);
+        r_len = packed_low_bytes(p.n);
+    } else {
+        const u16_unaligned *x = (const u16_unaligned *)src;
+        for (size_t i = 0; i < p.n; i++) {  /* little-endian hosts (x86, arm64) */
+            uint32_t v = x[i];
+            e[i] = (uint8_t)(v >> 7);
+            r[i] = (uint8_t)(((v >> 8) & 0x80) | (v & 0x7F));
+        }
+        r_len = p.n;
     }
-    if (tail) r[p.n] = src[n_bytes - 1];
+    if (p.tail) r[r_len] = src[n_bytes - 1];
     uint32_t ehist[256] = {0};
     for (size_t i = 0; i < p.n; i += 7) ehist[e[i]]++;  /* fill: the most common value of a sample */
     int fill = 0;
@@ -324,13 +535,13 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
         int c = v - p.ctx_lo;
         clamp[v] = (uint8_t)(c < 0 ? 0 : c >= p.n_ctx ? p.n_ctx - 1 : c);
     }
-    int64_t size = encode_streams(e, m, clamp, &p, dst, cap, r + p.n + tail);
+    int64_t size = encode_streams(e, m, q, clamp, &p, dst, cap, r + r_len + p.tail);
     if (size < 0) return size;
-    dst[0] = VERSION; dst[1] = 0; dst[2] = (uint8_t)p.window_log; dst[3] = (uint8_t)p.n_streams;
+    dst[0] = (uint8_t)p.version; dst[1] = 0; dst[2] = (uint8_t)p.window_log; dst[3] = (uint8_t)p.n_streams;
     put_u32(dst + 4, (uint32_t)p.n);
     dst[8] = (uint8_t)(p.stride & 0xFF); dst[9] = (uint8_t)(p.stride >> 8);
     dst[10] = (uint8_t)p.ctx_lo; dst[11] = (uint8_t)p.n_ctx; dst[12] = (uint8_t)p.fill;
-    dst[13] = MAX_LEN; dst[14] = (uint8_t)tail; dst[15] = 0;
+    dst[13] = MAX_LEN; dst[14] = (uint8_t)p.tail; dst[15] = 0;
     return size;
 }
 
@@ -364,6 +575,7 @@ static int build_decode_table(const uint8_t *len, int L, uint16_t *tab) {
     return 0;
 }
 
+
 /* The hot loops keep every stream's state in locals: stores through uint8_t pointers may alias anything,
  * so state in a struct would be reloaded after every symbol. */
 #define STEPD(pos, base, e, sums)                                                             \
@@ -379,22 +591,23 @@ static int build_decode_table(const uint8_t *len, int L, uint16_t *tab) {
     } while (0)
 
 static int run_one(stream_t *st, size_t from, const uint16_t *restrict tab, const uint32_t *restrict ctxmap,
-                   int L, int K, int d) {
+                   int L, int K, int d, int moving) {
     const int shift = 64 - L;
     uint64_t pos = st->pos;
     const uint64_t end = st->end;
     const uint8_t *base = st->base;
     uint8_t *e = st->e;
     uint16_t *sums = st->sums;
-    uint32_t S = st->S, off = 0;
+    uint32_t S = st->S, off = 0, group_sum = 0;
     for (size_t j = from; j < st->left; j++) {
         if (d == 1) {
-            if (j % GROUP == 0) off = ctxmap[S];
+            if (j % GROUP == 0) { off = ctxmap[S]; group_sum = 0; }
             uint64_t v = load_be64(base + (pos >> 3)) << (pos & 7);
             uint16_t ent = tab[off + (uint32_t)(v >> shift)];
             pos += ent & 0xF;
             *e = (uint8_t)(ent >> 8);
-            S = S + (ent >> 8) - e[-K];
+            if (!moving) S = S + (ent >> 8) - e[-K];
+            else if ((group_sum += ent >> 8), j % GROUP == GROUP - 1) S = S - (S >> 2) + group_sum;
             e++;
         } else {
             STEPD(pos, base, e, sums);
@@ -412,7 +625,7 @@ static int run_one(stream_t *st, size_t from, const uint16_t *restrict tab, cons
     bb <<= ent & 63;                                                                          \
     acc += ent;                                                                               \
     ep[k] = (uint8_t)(ent >> 8);
-#define FAST_GROUP(s)                                                                         \
+#define FAST_GROUP(s, MOVING)                                                                 \
     do {                                                                                      \
         uint64_t w = state##s;                                                                \
         uint32_t pos = (uint32_t)w, ent, acc = 0;                                             \
@@ -421,31 +634,35 @@ static int run_one(stream_t *st, size_t from, const uint16_t *restrict tab, cons
         uint8_t *ep = e[s] + j;                                                               \
         FAST_STEP(0) FAST_STEP(1) FAST_STEP(2) FAST_STEP(3)                                   \
         /* acc: lengths summed in the low byte (<= 44), symbols from bit 8 */                 \
-        int32_t sum = (int32_t)(acc >> 8) - (ep[-16] + ep[-15] + ep[-14] + ep[-13]);           \
+        int32_t sum = (int32_t)(acc >> 8) -                                                   \
+            (MOVING ? (int32_t)(w >> 34) : ep[-16] + ep[-15] + ep[-14] + ep[-13]);            \
         state##s = w + (acc & 0xFF) + ((uint64_t)(int64_t)sum << 32);                          \
         bad |= (uint32_t)state##s > end[s];                                                   \
     } while (0)
 
-static int fast4(stream_t *st, size_t rounds, const uint16_t *restrict tab, const uint32_t *restrict ctxmap) {
-    const uint8_t *base[4];
-    uint8_t *e[4];
-    uint64_t end[4];
-    for (int s = 0; s < 4; s++) { base[s] = st[s].base; e[s] = st[s].e; end[s] = st[s].end; }
-    uint64_t state0 = (uint64_t)st[0].S << 32, state1 = (uint64_t)st[1].S << 32;
-    uint64_t state2 = (uint64_t)st[2].S << 32, state3 = (uint64_t)st[3].S << 32;
-    for (size_t j = 0; j < rounds; j += GROUP) {
-        int bad = 0;
-        FAST_GROUP(0); FAST_GROUP(1); FAST_GROUP(2); FAST_GROUP(3);
-        if (bad) return KVEC_ERR_STREAM;
-    }
-    uint64_t states[4] = {state0, state1, state2, state3};
-    for (int s = 0; s < 4; s++) {
-        st[s].pos = (uint32_t)states[s];
-        st[s].S = (uint32_t)(states[s] >> 32);
-        st[s].e += rounds;
-    }
-    return 0;
+#define FAST4(name, MOVING)                                                                   \
+static int name(stream_t *st, size_t rounds, const uint16_t *restrict tab, const uint32_t *restrict ctxmap) { \
+    const uint8_t *base[4];                                                                   \
+    uint8_t *e[4];                                                                            \
+    uint64_t end[4];                                                                          \
+    for (int s = 0; s < 4; s++) { base[s] = st[s].base; e[s] = st[s].e; end[s] = st[s].end; } \
+    uint64_t state0 = (uint64_t)st[0].S << 32, state1 = (uint64_t)st[1].S << 32;              \
+    uint64_t state2 = (uint64_t)st[2].S << 32, state3 = (uint64_t)st[3].S << 32;              \
+    for (size_t j = 0; j < rounds; j += GROUP) {                                              \
+        int bad = 0;                                                                          \
+        FAST_GROUP(0, MOVING); FAST_GROUP(1, MOVING); FAST_GROUP(2, MOVING); FAST_GROUP(3, MOVING); \
+        if (bad) return KVEC_ERR_STREAM;                                                      \
+    }                                                                                         \
+    uint64_t states[4] = {state0, state1, state2, state3};                                    \
+    for (int s = 0; s < 4; s++) {                                                             \
+        st[s].pos = (uint32_t)states[s];                                                      \
+        st[s].S = (uint32_t)(states[s] >> 32);                                                \
+        st[s].e += rounds;                                                                    \
+    }                                                                                         \
+    return 0;                                                                                 \
 }
+FAST4(fast4, 0)
+FAST4(fast4_moving, 1)
 
 /* Symbols every one of the 4 streams still has (their lengths differ by at most one). */
 static size_t common_rounds(const stream_t *st) {
@@ -455,12 +672,12 @@ static size_t common_rounds(const stream_t *st) {
 }
 
 static int run_streams(stream_t *st, int n_streams, const uint16_t *restrict tab,
-                       const uint32_t *restrict ctxmap, int L, int K, int d) {
+                       const uint32_t *restrict ctxmap, int L, int K, int d, int moving) {
     size_t rounds = 0;  /* symbols of each stream the 4-stream loops decode; run_one does the rest */
     if (n_streams == 4 && d == 1 && K == 16 && L == MAX_LEN) {
         rounds = common_rounds(st);
         rounds -= rounds % GROUP;
-        int rc = fast4(st, rounds, tab, ctxmap);
+        int rc = moving ? fast4_moving(st, rounds, tab, ctxmap) : fast4(st, rounds, tab, ctxmap);
         if (rc) return rc;
     } else if (n_streams == 4 && d > 1) {
         const int shift = 64 - L;
@@ -479,63 +696,195 @@ static int run_streams(stream_t *st, int n_streams, const uint16_t *restrict tab
         st[0].e = e0; st[1].e = e1; st[2].e = e2; st[3].e = e3;
     }
     for (int s = 0; s < n_streams; s++) {
-        int rc = run_one(&st[s], rounds, tab, ctxmap, L, K, d);
+        int rc = run_one(&st[s], rounds, tab, ctxmap, L, K, d, moving);
         if (rc) return rc;
     }
     return 0;
 }
 
+/* Version 2: sign quads. An entry is length | quad << 4 | (set bits of quad) << (8 + SIGN_LEN), so the
+ * next context's table offset is the sum of the last two entries' top fields: the dependency chain from one
+ * quad to the next is one load and three ALU operations. Streams are decoded four at a time (independent
+ * chains), four quads per refill: <= 4 * SIGN_LEN bits of the >= 57 a refill holds, and a refill happens
+ * only while the position is inside the stream. */
+typedef struct { const uint8_t *base; uint64_t pos, end; uint8_t *q; size_t quads; } sign_stream_t;
+
+#define SIGN_STEP(v, pos, prev, cur, q)                                                       \
+    do {                                                                                      \
+        const uint32_t ent_ = stab[((prev + cur) >> 8) + (uint32_t)(v >> (64 - SIGN_LEN))];   \
+        v <<= ent_ & 15;                                                                      \
+        pos += ent_ & 15;                                                                     \
+        *q++ = (uint8_t)(ent_ >> 4);                                                          \
+        prev = cur;                                                                           \
+        cur = ent_ & (0xF << (8 + SIGN_LEN));                                                 \
+    } while (0)
+
+#define SIGN_REFILL(v, pos, base) v = load_be64((base) + ((pos) >> 3)) << ((pos) & 7)
+
+static int signs_one(sign_stream_t *ss, const uint32_t *restrict stab, uint32_t prev, uint32_t cur, size_t from) {
+    uint64_t pos = ss->pos, v;
+    uint8_t *q = ss->q;
+    for (size_t g = from; g < ss->quads; g++) {
+        SIGN_REFILL(v, pos, ss->base);
+        SIGN_STEP(v, pos, prev, cur, q);
+        if (pos > ss->end) return KVEC_ERR_STREAM;
+    }
+    return (pos + 7) / 8 == ss->end / 8 ? 0 : KVEC_ERR_STREAM;
+}
+
+static int decode_signs(sign_stream_t *ss, int n_streams, const uint32_t *restrict stab) {
+    uint32_t prev[MAX_STREAMS] = {0}, cur[MAX_STREAMS] = {0};
+    size_t done = 0;
+    if (n_streams == 4) {
+        size_t rounds = ss[0].quads;
+        for (int s = 1; s < 4; s++) if (ss[s].quads < rounds) rounds = ss[s].quads;
+        rounds -= rounds % 4;
+        uint64_t p0 = 0, p1 = 0, p2 = 0, p3 = 0, v0, v1, v2, v3;
+        uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+        uint8_t *q0 = ss[0].q, *q1 = ss[1].q, *q2 = ss[2].q, *q3 = ss[3].q;
+        for (size_t g = 0; g < rounds; g += 4) {
+            SIGN_REFILL(v0, p0, ss[0].base); SIGN_REFILL(v1, p1, ss[1].base);
+            SIGN_REFILL(v2, p2, ss[2].base); SIGN_REFILL(v3, p3, ss[3].base);
+            for (int k = 0; k < 4; k++) {
+                SIGN_STEP(v0, p0, a0, c0, q0); SIGN_STEP(v1, p1, a1, c1, q1);
+                SIGN_STEP(v2, p2, a2, c2, q2); SIGN_STEP(v3, p3, a3, c3, q3);
+            }
+            if ((p0 > ss[0].end) | (p1 > ss[1].end) | (p2 > ss[2].end) | (p3 > ss[3].end)) return KVEC_ERR_STREAM;
+        }
+        uint64_t ps[4] = {p0, p1, p2, p3};
+        uint32_t as[4] = {a0, a1, a2, a3}, cs[4] = {c0, c1, c2, c3};
+        uint8_t *qs[4] = {q0, q1, q2, q3};
+        for (int s = 0; s < 4; s++) { ss[s].pos = ps[s]; ss[s].q = qs[s]; prev[s] = as[s]; cur[s] = cs[s]; }
+        done = rounds;
+    }
+    for (int s = 0; s < n_streams; s++) {
+        int rc = signs_one(&ss[s], stab, prev[s], cur[s], done);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Read n_ctx tables of 4-bit lengths (u8 first, u8 last, lengths) into lens. */
+static int read_tables(const uint8_t *src, size_t src_len, size_t *off, int n_ctx, uint8_t (*lens)[256]) {
+    for (int c = 0; c < n_ctx; c++) {
+        if (*off + 2 > src_len) return KVEC_ERR_FORMAT;
+        int first = src[*off], last = src[*off + 1];
+        *off += 2;
+        if (first > last) continue;
+        size_t nl = (size_t)(last - first + 1);
+        if (*off + (nl + 1) / 2 > src_len) return KVEC_ERR_FORMAT;
+        for (size_t k = 0; k < nl; k++) lens[c][first + k] = (src[*off + k / 2] >> (4 * (k & 1))) & 0xF;
+        *off += (nl + 1) / 2;
+    }
+    return 0;
+}
+
+/* Version 2's sign tables (SIGN_CTX tables of 16 lengths, two per byte) as decode entries (see above). */
+static int read_sign_tables(const uint8_t *src, size_t src_len, size_t *off, uint32_t *stab) {
+    if (*off + SIGN_CTX * 8 > src_len) return KVEC_ERR_FORMAT;
+    uint16_t t[1 << SIGN_LEN];
+    for (int c = 0; c < SIGN_CTX; c++) {
+        uint8_t lens[256] = {0};
+        for (int k = 0; k < 16; k++) lens[k] = (src[*off + k / 2] >> (4 * (k & 1))) & 0xF;
+        *off += 8;
+        int rc = build_decode_table(lens, SIGN_LEN, t);
+        if (rc) return rc;
+        for (int i = 0; i < (1 << SIGN_LEN); i++) {
+            uint32_t quad = (t[i] >> 8) & 15;  /* entries of unused contexts hold symbol 0 */
+            stab[(c << SIGN_LEN) + i] = (t[i] & 15) | quad << 4 | (uint32_t)POP8[quad] << (8 + SIGN_LEN);
+        }
+    }
+    return 0;
+}
+
+/* Version 2: x from e (per stream), the sign quads and the packed low bits, for elements [a, b). */
+static void join_signs(const uint8_t *restrict e, const uint8_t *restrict q, const uint8_t *restrict low,
+                       size_t n, size_t a, size_t b, u16_unaligned *restrict out) {
+    const size_t full = n / ALIGN * ALIGN;
+    size_t i = a;
+    for (; i + ALIGN <= b && i + ALIGN <= full; i += ALIGN) {
+        const uint32_t qw = get_u32(q + i / 4);
+        const uint32_t signs = (qw & 0xF) | (qw >> 4 & 0xF0) | (qw >> 8 & 0xF00) | (qw >> 12 & 0xF000);
+        const uint8_t *lp = low + i / ALIGN * 14;
+#ifdef KVEC_SIMD
+        __m128i lb = _mm_loadu_si128((const __m128i *)lp);  /* 2 bytes past the group: still in the payload */
+        uint32_t top = (uint32_t)_mm_movemask_epi8(lb) & 0x3FFF;
+        __m128i mv = _mm_and_si128(lb, _mm_set1_epi8(0x7F));
+        mv = _mm_insert_epi16(mv, (int)((top & 0x7F) | (top >> 7) << 8), 7);
+        __m128i ev = _mm_loadu_si128((const __m128i *)(e + i));
+        __m128i lo = _mm_or_si128(mv, _mm_and_si128(_mm_slli_epi16(ev, 7), _mm_set1_epi8((char)0x80)));
+        __m128i hi = _mm_or_si128(spread_bits(signs), _mm_and_si128(_mm_srli_epi16(ev, 1), _mm_set1_epi8(0x7F)));
+        _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi8(lo, hi));
+        _mm_storeu_si128((__m128i *)(out + i + 8), _mm_unpackhi_epi8(lo, hi));
+#else
+        uint32_t top = 0;
+        for (int j = 0; j < 14; j++) top |= (uint32_t)(lp[j] >> 7) << j;
+        for (int j = 0; j < ALIGN; j++) {
+            uint32_t mv = j < 14 ? lp[j] & 0x7F : j == 14 ? top & 0x7F : top >> 7;
+            out[i + j] = (uint16_t)(((signs >> j) & 1) << 15 | (uint32_t)e[i + j] << 7 | mv);
+        }
+#endif
+    }
+    for (; i < b; i++) {  /* the last stream's elements past the last whole group of 16 */
+        uint32_t mv = low[full / ALIGN * 14 + (i - full)] & 0x7F;
+        out[i] = (uint16_t)(((q[i / 4] >> (i % 4)) & 1) << 15 | (uint32_t)e[i] << 7 | mv);
+    }
+}
+
 /* Decode src (src_len bytes) into dst, which must be exactly n_bytes long. 0, or a negative code. */
 int kvec_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes) {
     if (src_len < FIXED + PAD) return KVEC_ERR_FORMAT;
-    const int window_log = src[2], n_streams = src[3], stride = src[8] | src[9] << 8;
-    const int ctx_lo = src[10], n_ctx = src[11], fill = src[12], L = src[13], tail = src[14];
-    const size_t n = get_u32(src + 4);
-    if (src[0] != VERSION || src[1] != 0 || src[15] != 0 || window_log < 2 || window_log > 5 ||
-        n_streams < 1 || n_streams > MAX_STREAMS || stride < 1 || stride > MAX_STRIDE || n_ctx < 1 ||
-        n_ctx > MAX_CTX || ctx_lo + n_ctx > 256 || L < 1 || L > MAX_LEN || tail != (int)(n_bytes & 1) ||
-        n != n_bytes / 2)
+    params_t p = {0};
+    p.version = src[0];
+    p.window_log = src[2]; p.n_streams = src[3]; p.stride = src[8] | src[9] << 8;
+    p.ctx_lo = src[10]; p.n_ctx = src[11]; p.fill = src[12]; p.tail = src[14];
+    p.n = get_u32(src + 4);
+    const int L = src[13];
+    const int signs = p.version == VERSION_SIGNS;
+    if ((p.version != VERSION_R && !signs) || src[1] != 0 || src[15] != 0 || p.window_log < 2 ||
+        p.window_log > 5 || p.n_streams < 1 || p.n_streams > MAX_STREAMS || p.stride < 1 ||
+        p.stride > MAX_STRIDE || (signs && (p.stride != 1 || p.window_log != 4)) || p.n_ctx < 1 || p.n_ctx > MAX_CTX ||
+        p.ctx_lo + p.n_ctx > 256 || L < 1 || L > MAX_LEN || p.tail != (int)(n_bytes & 1) || p.n != n_bytes / 2)
         return KVEC_ERR_FORMAT;
-    const int K = 1 << window_log, d = stride;
-    size_t off = FIXED + 4 * (size_t)n_streams;
-    if (off + n + tail > src_len) return KVEC_ERR_FORMAT;
+    const size_t n = p.n;
+    const int K = 1 << p.window_log, d = p.stride, n_streams = p.n_streams;
+    const size_t r_len = signs ? packed_low_bytes(n) : n;
+    const int n_sizes = signs ? 2 * n_streams : n_streams;  /* version 2: sign streams after the others */
+    size_t off = FIXED + 4 * (size_t)n_sizes;
+    if (off + r_len + p.tail > src_len) return KVEC_ERR_FORMAT;
     const uint8_t *r = src + off;
-    off += n + tail;
+    off += r_len + p.tail;
 
     static __thread uint8_t lens[MAX_CTX][256];
+    static __thread uint32_t sign_tables[SIGN_CTX << SIGN_LEN];
     memset(lens, 0, sizeof lens);
-    for (int c = 0; c < n_ctx; c++) {
-        if (off + 2 > src_len) return KVEC_ERR_FORMAT;
-        int first = src[off], last = src[off + 1];
-        off += 2;
-        if (first > last) continue;
-        size_t nl = (size_t)(last - first + 1);
-        if (off + (nl + 1) / 2 > src_len) return KVEC_ERR_FORMAT;
-        for (size_t k = 0; k < nl; k++) lens[c][first + k] = (src[off + k / 2] >> (4 * (k & 1))) & 0xF;
-        off += (nl + 1) / 2;
-    }
+    int rc = read_tables(src, src_len, &off, p.n_ctx, lens);
+    if (rc) return rc;
+    if (signs && (rc = read_sign_tables(src, src_len, &off, sign_tables))) return rc;
     size_t total = 0;
-    for (int s = 0; s < n_streams; s++) total += get_u32(src + FIXED + 4 * s);
+    for (int s = 0; s < n_sizes; s++) total += get_u32(src + FIXED + 4 * s);
     if (off + total + PAD != src_len) return KVEC_ERR_FORMAT;
 
-    /* scratch: decode tables, sum -> table offset map, per-stream e and sum regions with history prefixes */
-    const size_t tab_len = (size_t)n_ctx << L, map_len = (size_t)K * 255 + 1;
+    /* scratch: decode tables, sum -> table offset map, per-stream e and sum regions with history prefixes,
+     * sign quads */
+    const size_t tab_len = (size_t)p.n_ctx << L, map_len = (size_t)K * 255 + 1;
     const size_t hist = (size_t)(K + 1) * d;
     const size_t e_len = n + n_streams * hist, sums_len = n + n_streams * (size_t)d + n_streams;
-    uint8_t *work = scratch(tab_len * 2 + map_len * 4 + e_len + sums_len * 2 + 64);
+    uint8_t *work = scratch(tab_len * 2 + map_len * 4 + e_len + 16 + sums_len * 2 + n / 4 + 72);
     if (!work) return KVEC_ERR_NOMEM;
     uint16_t *tab = (uint16_t *)work;
     uint32_t *ctxmap = (uint32_t *)(work + ((tab_len * 2 + 3) & ~(size_t)3));
     uint16_t *sums_all = (uint16_t *)((uint8_t *)(ctxmap + map_len));
     uint8_t *e_all = (uint8_t *)(sums_all + sums_len);
+    uint8_t *q_all = e_all + e_len + 16;  /* e: 16 bytes of slack for whole-group loads */
 
-    for (int c = 0; c < n_ctx; c++) {
-        int rc = build_decode_table(lens[c], L, tab + ((size_t)c << L));
+    for (int c = 0; c < p.n_ctx; c++) {
+        rc = build_decode_table(lens[c], L, tab + ((size_t)c << L));
         if (rc) return rc;
     }
     for (size_t S = 0; S < map_len; S++) {
-        int m = (int)((S + (size_t)(K >> 1)) >> window_log) - ctx_lo;
-        ctxmap[S] = (uint32_t)(m < 0 ? 0 : m >= n_ctx ? n_ctx - 1 : m) << L;
+        int m = (int)((S + (size_t)(K >> 1)) >> p.window_log) - p.ctx_lo;
+        ctxmap[S] = (uint32_t)(m < 0 ? 0 : m >= p.n_ctx ? p.n_ctx - 1 : m) << L;
     }
 
     stream_t st[MAX_STREAMS];
@@ -543,35 +892,49 @@ int kvec_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes
     uint8_t *e_region = e_all;
     uint16_t *s_region = sums_all;
     for (int s = 0; s < n_streams; s++) {
-        size_t a = stream_start(n, n_streams, s), b = stream_start(n, n_streams, s + 1);
+        size_t a = stream_start(&p, s), b = stream_start(&p, s + 1);
         size_t size = get_u32(src + FIXED + 4 * s);
-        memset(e_region, fill, hist);
-        for (int k = 0; k < d; k++) s_region[k] = (uint16_t)(K * fill);
+        memset(e_region, p.fill, hist);
+        for (int k = 0; k < d; k++) s_region[k] = (uint16_t)(K * p.fill);
         st[s].base = streams;
         st[s].pos = 0;
         st[s].end = (uint64_t)size * 8;
         st[s].e = e_region + hist;
         st[s].sums = s_region;
         st[s].left = b - a;
-        st[s].S = (uint32_t)K * fill;
+        st[s].S = (uint32_t)K * p.fill;
         streams += size;
         e_region += hist + (b - a);
         s_region += d + (b - a) + 1;
     }
     uint8_t *e_first[MAX_STREAMS];
     for (int s = 0; s < n_streams; s++) e_first[s] = st[s].e;
-    int rc = run_streams(st, n_streams, tab, ctxmap, L, K, d);
+    rc = run_streams(st, n_streams, tab, ctxmap, L, K, d, signs);
     if (rc) return rc;
+    if (signs) {
+        sign_stream_t ss[MAX_STREAMS];
+        for (int s = 0; s < n_streams; s++) {
+            size_t a = stream_start(&p, s), b = stream_start(&p, s + 1);
+            size_t size = get_u32(src + FIXED + 4 * (n_streams + s));
+            ss[s] = (sign_stream_t){streams, 0, (uint64_t)size * 8, q_all + a / GROUP, (b - a + 3) / 4};
+            streams += size;
+        }
+        if ((rc = decode_signs(ss, n_streams, sign_tables))) return rc;
+    }
 
     u16_unaligned *out16 = (u16_unaligned *)dst;
     for (int s = 0; s < n_streams; s++) {
-        size_t a = stream_start(n, n_streams, s), b = stream_start(n, n_streams, s + 1);
+        size_t a = stream_start(&p, s), b = stream_start(&p, s + 1);
         const uint8_t *restrict e = e_first[s] - a;
+        if (signs) {
+            join_signs(e, q_all, r, n, a, b, out16);
+            continue;
+        }
         for (size_t i = a; i < b; i++) {
             uint32_t ev = e[i], rv = r[i];
             out16[i] = (uint16_t)((rv & 0x80) << 8 | ev << 7 | (rv & 0x7F));
         }
     }
-    if (tail) dst[n_bytes - 1] = r[n];
+    if (p.tail) dst[n_bytes - 1] = r[r_len];
     return 0;
 }
