@@ -10,6 +10,7 @@ committed samples tests/data/kv/*.kv):
 
 Rows, each over 1 MiB frames (kvfs's frame size), every frame round-tripped and compared:
     entropy        kvfs codec 4 (context-modelled Huffman; stride from the shape hint)
+    entropy→buffer the same decoded into one reused buffer, as kvfs.direct decodes into the reader's buffer
     zstd+planes    kvfs codec 1, tuned zstd on byteplane2
     deflate+planes kvfs codec 2 (ISA-L level 1, QAT's format) on byteplane2
     deflate-1 raw  anchor: ISA-L level 1 on the raw bytes (QAT without reorder)
@@ -19,8 +20,9 @@ Rows, each over 1 MiB frames (kvfs's frame size), every frame round-tripped and 
     order-0 bound  entropy of the data as 16-bit symbols (no coder reaches it without context)
 ratio = stored payload / raw bytes (kvfs objects add 66 B + 36 B per frame: < 0.01%). MB/s = raw bytes per
 second of one thread, the best of --rounds passes (the machine is shared; the best pass is the least
-disturbed one). Partial loading: the time to read one layer's byte range of a chunk (only the frames it
-touches decoded) against the whole chunk, through format.decode_frame as kvfs and kvfs.direct read.
+disturbed one), with the daemon's allocator settings (kvfs.daemon.keep_frame_buffers_in_heap). Partial
+loading: the time to read one layer's byte range of a chunk (only the frames it touches decoded) against
+the whole chunk, through format.decode_frame as kvfs and kvfs.direct read.
 
 Targets (PASS/FAIL, exit status 1 on a FAIL): entropy bf16-native <= 0.67, bf16-chunk <= 0.66, fp16 <= 0.85;
 deflate+planes bf16 <= 0.71; entropy decode >= 2000 MB/s and encode >= 1000 MB/s per core.
@@ -44,6 +46,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvfs import codecs, format as fmt  # noqa: E402
+from kvfs.codecs import entropy  # noqa: E402
+from kvfs.daemon import keep_frame_buffers_in_heap  # noqa: E402
 from kvfs.codecs import transforms  # noqa: E402
 from kvfs.codecs.entropy import EntropyCodec, stride_from_shape  # noqa: E402
 
@@ -123,11 +127,23 @@ def kvshrink_decode(payload, n) -> bytes:
     return b"".join(parts)
 
 
+def into_buffer_row(stride: int) -> FrameCodec:
+    """Codec 4 decoding into one reused buffer, as kvfs.direct decodes into the reader's buffer."""
+    buffers: dict[int, bytearray] = {}
+
+    def decode(payload, n):
+        out = buffers.setdefault(n, bytearray(n))
+        entropy.decode_into(payload, out)
+        return out
+    return FrameCodec("entropy→buffer", EntropyCodec(stride).compress, decode)
+
+
 def rows_for(stride: int) -> list[FrameCodec]:
     zstd1 = zstandard.ZstdCompressor(level=1)
     zstd_d = zstandard.ZstdDecompressor()
     return [
         kvfs_row("entropy", EntropyCodec(stride), transforms.IDENTITY),
+        into_buffer_row(stride),
         kvfs_row("zstd+planes", codecs.by_name("zstd"), transforms.BYTEPLANE2),
         kvfs_row("deflate+planes", codecs.by_name("deflate"), transforms.BYTEPLANE2),
         kvfs_row("deflate-1 raw", codecs.by_name("deflate"), transforms.IDENTITY),
@@ -215,6 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=pathlib.Path, default=ROOT / "bench-results/bench_codec.json")
     args = ap.parse_args(argv)
+    keep_frame_buffers_in_heap()  # the daemon's allocator settings: 1 MiB frames without fresh mmap()s
     sets = load_sets(args.files)
     result: dict = {"sets": {}}
     for name, data in sets.items():
