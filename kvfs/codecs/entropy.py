@@ -1,8 +1,9 @@
 """Codec 4, `entropy`: context-modelled Huffman coding of 16-bit floats (bf16, fp16), in C.
 
-The sign and 7 low bits of each element are stored as they are; the exponent byte is Huffman-coded with a
-table chosen by the rounded mean of the previous K exponents of the same channel (stride d apart), so the
-codec adapts to each channel's magnitude without sending per-channel statistics. Payload format:
+The exponent byte of each element is Huffman-coded with a table chosen by the rounded mean of the same
+channel's previous exponents (stride d apart), so the codec adapts to each channel's magnitude without
+sending per-channel statistics. For stride 1 (version 2) the signs are coded too, four at a time with a
+table chosen by the channel's previous signs; the 7 low bits are stored as they are. Payload format:
 docs/format.md, "codec 4". The kernel (_entropy.c) is loaded with ctypes, which releases the GIL.
 """
 
@@ -19,7 +20,7 @@ from .base import CodecError
 
 WINDOW_LOG = 4  # K = 16 previous exponents (16 vs 8 saves 0.01 bits/element on real KV; 32 gains nothing)
 MAX_STRIDE = 4096
-OVERHEAD = 16 + 4 * 8 + 64 * 130 + 16  # fixed header, stream sizes, tables, padding: bounds the payload
+OVERHEAD = 16 + 8 * 8 + 64 * 130 + 72 + 16  # fixed header, stream sizes, tables, sign tables, padding
 
 
 def _load() -> ctypes.CDLL:
