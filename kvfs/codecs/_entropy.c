@@ -8,10 +8,10 @@
  * That context stands in for per-channel statistics without sending any: a channel's exponents stay close
  * to their running mean. Version 1 stores r raw. Version 2 (stride 1) codes the signs too, four at a time
  * with a table chosen by how many of the previous eight were negative (a channel's signs persist: 0.85
- * bits per sign on real KV), in streams of their own, and packs the 7 low bits 16 elements to 14 bytes; its
- * context sum is a moving average, S <- S - S/4 + (sum of the group's 4 values), which is as sharp as the
- * 16-value window (2.53 bits per exponent on real KV either way) and needs no history of decoded values. The byte-level format is
- * docs/format.md ("codec 4"); keep the two in step.
+ * bits per sign on real KV), in streams of their own, and packs the 7 low bits 16 elements to 14 bytes.
+ * Its context sum is a moving average, S <- S - S/4 + (sum of the group's 4 values): as sharp as the
+ * 16-value window (2.53 bits per exponent on real KV either way), and it needs no decoded history.
+ * The byte-level format is docs/format.md ("codec 4"); keep the two in step.
  *
  * Safety: kvec_decode never reads or writes out of bounds on any input (every field is checked, every
  * stream is padded and its bit position bounded); it returns a negative code on any inconsistency.
@@ -189,7 +189,8 @@ static void split_signs(const uint8_t *src, const params_t *p, uint8_t *restrict
 #ifdef KVEC_SIMD
         __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
         const __m128i byte = _mm_set1_epi16(0xFF), seven = _mm_set1_epi16(0x7F);
-        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte), _mm_and_si128(_mm_srli_epi16(b, 7), byte));
+        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte),
+                                      _mm_and_si128(_mm_srli_epi16(b, 7), byte));
         __m128i mv = _mm_packus_epi16(_mm_and_si128(a, seven), _mm_and_si128(b, seven));
         signs = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, b));
         uint32_t top = (uint32_t)_mm_extract_epi16(mv, 7);
@@ -547,7 +548,9 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
 
 /* ---- decoder ---- */
 
-typedef struct { const uint8_t *base; uint64_t pos, end; uint8_t *e; uint16_t *sums; size_t left; uint32_t S; } stream_t;
+typedef struct {
+    const uint8_t *base; uint64_t pos, end; uint8_t *e; uint16_t *sums; size_t left; uint32_t S;
+} stream_t;
 
 /* Build the decode table of one context: entry = length | symbol << 8, 1 << L entries. (Length in the low
  * bits: shifts take the entry as their count, and summing entries sums lengths and symbols at once.) Codes must form a
@@ -843,8 +846,9 @@ int kvec_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes
     const int signs = p.version == VERSION_SIGNS;
     if ((p.version != VERSION_R && !signs) || src[1] != 0 || src[15] != 0 || p.window_log < 2 ||
         p.window_log > 5 || p.n_streams < 1 || p.n_streams > MAX_STREAMS || p.stride < 1 ||
-        p.stride > MAX_STRIDE || (signs && (p.stride != 1 || p.window_log != 4)) || p.n_ctx < 1 || p.n_ctx > MAX_CTX ||
-        p.ctx_lo + p.n_ctx > 256 || L < 1 || L > MAX_LEN || p.tail != (int)(n_bytes & 1) || p.n != n_bytes / 2)
+        p.stride > MAX_STRIDE || (signs && (p.stride != 1 || p.window_log != 4)) || p.n_ctx < 1 ||
+        p.n_ctx > MAX_CTX || p.ctx_lo + p.n_ctx > 256 || L < 1 || L > MAX_LEN || p.tail != (int)(n_bytes & 1) ||
+        p.n != n_bytes / 2)
         return KVEC_ERR_FORMAT;
     const size_t n = p.n;
     const int K = 1 << p.window_log, d = p.stride, n_streams = p.n_streams;
