@@ -16,16 +16,15 @@ lossy_param), so does `user.kvfs.lossy` on the file once it is committed. Specif
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 
-import ml_dtypes
 import numpy as np
 
 NONE, MANTISSA, FP8 = 0, 1, 2
 MODE_NAMES = {NONE: "none", MANTISSA: "mantissa", FP8: "fp8"}
 MANTISSA_BITS = {"bf16": 7, "fp16": 10, "fp32": 23}
 UINT = {"bf16": np.dtype("<u2"), "fp16": np.dtype("<u2"), "fp32": np.dtype("<u4")}
-FLOAT = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
 DTYPE_IDS = {"bf16": 1, "fp16": 2, "fp32": 3}
 DTYPE_BY_ID = {v: k for k, v in DTYPE_IDS.items()}
 E4M3_MAX = 448.0
@@ -103,9 +102,25 @@ def round_mantissa(raw, dtype: str, bits: int, skip: int = 0) -> bytearray:
     return out
 
 
+@functools.cache
+def float_dtype(dtype: str) -> np.dtype:
+    """The numpy float type of a kvfs dtype. ml_dtypes is imported on first use: it costs every `kvfs`
+    command ~1 s to import, and only fp8 frames need it."""
+    if dtype == "bf16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"fp16": "<f2", "fp32": "<f4"}[dtype])
+
+
+@functools.cache
+def _e4m3() -> np.dtype:
+    import ml_dtypes
+    return np.dtype(ml_dtypes.float8_e4m3fn)
+
+
 def fp8_encode(raw, dtype: str, group: int, skip: int = 0) -> bytes:
     """The stored form of one frame: header, float32 scales, E4M3 codes, then any trailing bytes."""
-    ft = FLOAT[dtype]
+    ft = float_dtype(dtype)
     start = _first_element(len(raw), skip, ft.itemsize)
     n = (len(raw) - start) // ft.itemsize
     x = np.frombuffer(raw, dtype=ft, count=n, offset=start).astype(np.float32)
@@ -116,7 +131,7 @@ def fp8_encode(raw, dtype: str, group: int, skip: int = 0) -> bytes:
     amax = np.max(np.where(np.isfinite(g), np.abs(g), 0), axis=1)
     scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        q = (g / scale[:, None]).astype(ml_dtypes.float8_e4m3fn)  # non-finite -> NaN
+        q = (g / scale[:, None]).astype(_e4m3())  # non-finite -> NaN
     head = FP8_HEADER.pack(1, DTYPE_IDS[dtype], 0, group, n, start)
     tail = bytes(raw[start + n * ft.itemsize:])
     return b"".join([head, bytes(raw[:start]), scale.tobytes(), q.reshape(-1)[:n].view(np.uint8).tobytes(), tail])
@@ -132,7 +147,7 @@ def fp8_decode(stored, raw_len: int) -> bytes:
     dtype = DTYPE_BY_ID.get(dtype_id)
     if version != 1 or dtype is None or not 1 <= group <= MAX_GROUP:
         raise ValueError("bad fp8 frame header")
-    ft = FLOAT[dtype]
+    ft = float_dtype(dtype)
     groups = -(-n // group)
     tail = raw_len - start - n * ft.itemsize
     if not 0 <= tail < ft.itemsize or len(view) != FP8_HEADER.size + start + 4 * groups + n + tail:
@@ -142,6 +157,6 @@ def fp8_decode(stored, raw_len: int) -> bytes:
     pos += start
     scale = np.frombuffer(view, dtype="<f4", count=groups, offset=pos)
     pos += 4 * groups
-    q = np.frombuffer(view, dtype=ml_dtypes.float8_e4m3fn, count=n, offset=pos).astype(np.float32)
+    q = np.frombuffer(view, dtype=_e4m3(), count=n, offset=pos).astype(np.float32)
     x = q * np.repeat(scale, group)[:n]
     return b"".join([bytes(exact), x.astype(ft).tobytes(), bytes(view[pos + n:])])
