@@ -226,37 +226,6 @@ static void split_signs(const uint8_t *src, const params_t *p, uint8_t *restrict
     for (size_t g = groups * 4; g < (n + 3) / 4; g++) sym[g] = sign_symbol(w >> (4 * (g - groups * 4)));
 }
 
-/* Stride 1: the mean of the K values before each group of GROUP, from group sums (vectorisable passes).
- * History before the stream's first element is `fill`. G has room for n / GROUP + K / GROUP + 1 sums. */
-static void group_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n, const params_t *p,
-                        uint32_t *restrict G, uint32_t *mhist) {
-    const size_t KG = (size_t)1 << (p->window_log - 2), full = n / GROUP, groups = (n + GROUP - 1) / GROUP;
-    for (size_t k = 0; k < KG; k++) G[k] = (uint32_t)(GROUP * p->fill);
-    const u32_unaligned *x = (const u32_unaligned *)e;
-    for (size_t j = 0; j < full; j++) {
-        uint32_t v = x[j];
-        G[KG + j] = (v & 0xFF) + ((v >> 8) & 0xFF) + ((v >> 16) & 0xFF) + (v >> 24);
-    }
-    u32_unaligned *out = (u32_unaligned *)m;
-    const int half = 1 << (p->window_log - 1), shift = p->window_log;
-    if (KG == 4) {
-        for (size_t j = 0; j < full; j++)
-            out[j] = ((G[j] + G[j + 1] + G[j + 2] + G[j + 3] + half) >> shift) * 0x01010101u;
-    } else {
-        for (size_t j = 0; j < full; j++) {
-            uint32_t S = 0;
-            for (size_t t = 0; t < KG; t++) S += G[j + t];
-            out[j] = ((S + half) >> shift) * 0x01010101u;
-        }
-    }
-    if (groups > full) {  /* a last, partial group */
-        uint32_t S = 0;
-        for (size_t t = 0; t < KG; t++) S += G[full + t];
-        memset(m + full * GROUP, (int)((S + half) >> shift), n - full * GROUP);
-    }
-    for (size_t j = 0; j < groups; j += 8) mhist[m[j * GROUP]]++;  /* a sample: it only places the window */
-}
-
 /* Version 2: the context of each group of GROUP from the moving average S (S = 16 * fill before the
  * stream's first group); the mean is (S + 8) >> 4 as in version 1 with K = 16. */
 static void moving_means(const uint8_t *restrict e, uint8_t *restrict m, size_t n, const params_t *p,
@@ -277,19 +246,16 @@ static void moving_means(const uint8_t *restrict e, uint8_t *restrict m, size_t 
     for (size_t j = 0; j < full; j += 8) mhist[m[j * GROUP]]++;  /* a sample: it only places the window */
 }
 
-/* Context of every element: round(mean of the K previous e at stride d), history before a stream's first
- * element being `fill`; the encoder clamps it to a table index. Also counts (a sample of) the means in
+/* Context of every element: version 2 (stride 1) the moving average of its group, version 1 round(mean of
+ * the K previous e at stride d), history before a stream's first element being `fill`; the encoder clamps
+ * it to a table index. Also counts (a sample of) the means in
  * mhist, which the caller zeroes. */
 static void context_means(const uint8_t *e, uint8_t *m, uint16_t *sums, const params_t *p, uint32_t *mhist) {
     const int K = 1 << p->window_log, d = p->stride;
     for (int s = 0; s < p->n_streams; s++) {
         size_t a = stream_start(p, s), b = stream_start(p, s + 1);
-        if (p->version == VERSION_SIGNS) {
+        if (p->version == VERSION_SIGNS) {  /* stride 1: kvfs writes version 1 only for strides > 1 */
             moving_means(e + a, m + a, b - a, p, (uint32_t *)sums, mhist);
-            continue;
-        }
-        if (d == 1) {  /* one context per GROUP elements: the decoder looks up one table per group */
-            group_means(e + a, m + a, b - a, p, (uint32_t *)sums, mhist);
             continue;
         }
         for (size_t i = a; i < b; i++) {
