@@ -317,6 +317,21 @@ static uint64_t make_codes(const uint32_t *count, int max_len, uint8_t *lens, ui
         acc = (acc << (cl_ & 15)) | (cl_ >> 4);                                               \
         nb += cl_ & 15;                                                                       \
     } while (0)
+/* The whole bytes of acc out at w (one 8-byte store: the payload has PAD bytes of room), the rest kept. */
+#define PUT_BYTES()                                                                           \
+    do {                                                                                      \
+        store_be64(w, acc << (64 - nb));                                                      \
+        w += nb >> 3;                                                                         \
+        nb &= 7;                                                                              \
+    } while (0)
+/* A stream's last bits out (low bits of its last byte 0), its size into size table slot k, and the next
+ * stream starts after it. */
+#define END_STREAM(k)                                                                         \
+    do {                                                                                      \
+        if (nb) *w++ = (uint8_t)(acc << (8 - nb));                                            \
+        put_u32(dst + FIXED + 4 * (k), (uint32_t)(w - out));                                  \
+        out = w;                                                                              \
+    } while (0)
 /* Four codes at once, joined pairwise first: one shift of acc per four codes, not four in a row. */
 #define PUT_CODE4(c0, c1, c2, c3)                                                             \
     do {                                                                                      \
@@ -415,17 +430,13 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
                 PUT_CODE4(code[clamp[m[j]]][e[j]], code[clamp[m[j + 1]]][e[j + 1]],
                           code[clamp[m[j + 2]]][e[j + 2]], code[clamp[m[j + 3]]][e[j + 3]]);
             }
-            store_be64(w, acc << (64 - nb));
-            w += nb >> 3;
-            nb &= 7;
+            PUT_BYTES();
         }
         for (; j < b; j++) {
             PUT_CODE(code[clamp[m[j]]][e[j]]);
-            if (nb >= 8) { store_be64(w, acc << (64 - nb)); w += nb >> 3; nb &= 7; }
+            if (nb >= 8) PUT_BYTES();
         }
-        if (nb) *w++ = (uint8_t)(acc << (8 - nb));
-        put_u32(dst + FIXED + 4 * s, (uint32_t)(w - out));
-        out = w;
+        END_STREAM(s);
     }
     for (int s = 0; signs && s < p->n_streams; s++) {  /* version 2: then one sign stream per stream */
         uint8_t *w = out;
@@ -435,19 +446,11 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
         size_t g = g0;
         for (; g + 4 <= g1; g += 4) {  /* <= 7 + 4 * SIGN_LEN bits */
             PUT_CODE4(scode[sym[g]], scode[sym[g + 1]], scode[sym[g + 2]], scode[sym[g + 3]]);
-            store_be64(w, acc << (64 - nb));
-            w += nb >> 3;
-            nb &= 7;
+            PUT_BYTES();
         }
         for (; g < g1; g++) PUT_CODE(scode[sym[g]]);
-        if (nb >= 8) {
-            store_be64(w, acc << (64 - nb));
-            w += nb >> 3;
-            nb &= 7;
-        }
-        if (nb) *w++ = (uint8_t)(acc << (8 - nb));
-        put_u32(dst + FIXED + 4 * (p->n_streams + s), (uint32_t)(w - out));
-        out = w;
+        if (nb >= 8) PUT_BYTES();
+        END_STREAM(p->n_streams + s);
     }
     memset(out, 0, PAD);
     return (int64_t)(out + PAD - dst);
