@@ -6,6 +6,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -211,18 +212,14 @@ def test_every_codec_round_trips_special_data(codec, transform):
 
 
 KERNEL_SOURCE = Path(entropy.__file__).with_name("_entropy.c")
-LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128  # SmolLM2-135M, vLLM's CPU block of 128 tokens
 
 
 def connector_chunk(block: bytes) -> tuple[bytes, bytes]:
-    """A native KV block laid out as the connector writes a chunk: a 4 KiB header, then
-    [layer][kv][head][channel][token]; and the shape hint it sets."""
-    x = np.frombuffer(block, dtype="<u2").reshape(LAYERS, HEADS, 2, BLOCK * DIM)
-    k = x[:, :, 0].reshape(LAYERS, HEADS, DIM, BLOCK)
-    v = x[:, :, 1].reshape(LAYERS, HEADS, BLOCK, DIM).transpose(0, 1, 3, 2)
-    header = b'{"kvfs_connector": 1}'.ljust(4096, b"\0")
-    hint = f"offset=4096 layer={LAYERS} kv=2 head={HEADS} channel={DIM} token={BLOCK}".encode()
-    return header + np.ascontiguousarray(np.stack([k, v], axis=1)).tobytes(), hint
+    """One native KV block laid out as the connector writes a chunk (tools/bench_codec.py), and its hint."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from bench_codec import BLOCK, chunk_hint, to_chunk
+
+    return to_chunk(block), chunk_hint(BLOCK).encode()
 
 
 def test_stride_1_codes_the_signs_and_other_strides_keep_version_1():

@@ -54,7 +54,14 @@ from kvfs.codecs.entropy import EntropyCodec, stride_from_shape  # noqa: E402
 FRAME = 1 << 20
 LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128
 CHUNK_HEADER = 4096
-CHUNK_HINT = f"offset={CHUNK_HEADER} layer={LAYERS} kv=2 head={HEADS} channel={DIM} token={2 * BLOCK}"
+
+
+def chunk_hint(tokens: int) -> str:
+    """The shape hint the connector sets on a chunk of `tokens` tokens."""
+    return f"offset={CHUNK_HEADER} layer={LAYERS} kv=2 head={HEADS} channel={DIM} token={tokens}"
+
+
+CHUNK_HINT = chunk_hint(2 * BLOCK)
 
 
 def frames(data: bytes) -> list[memoryview]:
@@ -62,16 +69,16 @@ def frames(data: bytes) -> list[memoryview]:
     return [view[i:i + FRAME] for i in range(0, len(view), FRAME)]
 
 
-def to_chunk(a: bytes, b: bytes) -> bytes:
-    """Two native blocks -> one connector chunk: header, then [layer][kv][head][channel][token]."""
+def to_chunk(*blocks: bytes) -> bytes:
+    """Consecutive native blocks -> one connector chunk: header, then [layer][kv][head][channel][token]."""
     parts = []
-    for blk in (a, b):
+    for blk in blocks:
         x = np.frombuffer(blk, dtype="<u2").reshape(LAYERS, HEADS, 2, BLOCK * DIM)
         k = x[:, :, 0].reshape(LAYERS, HEADS, DIM, BLOCK)
         v = x[:, :, 1].reshape(LAYERS, HEADS, BLOCK, DIM).transpose(0, 1, 3, 2)
         parts.append(np.stack([k, v], axis=1))  # layer, kv, head, channel, token
     payload = np.ascontiguousarray(np.concatenate(parts, axis=-1))
-    header = json.dumps({"kvfs_connector": 1, "tokens": 2 * BLOCK}).encode().ljust(CHUNK_HEADER, b"\0")
+    header = json.dumps({"kvfs_connector": 1, "tokens": len(blocks) * BLOCK}).encode().ljust(CHUNK_HEADER, b"\0")
     return header + payload.tobytes()
 
 
