@@ -50,6 +50,7 @@ TICK_S = 1.0  # the mover checks watermarks at least this often
 SETTLE_S = 1.0  # write policy through: a file is published this long after its last close
 DELETE_GATHER_S = 0.05  # a remote tier's deletions wait this long to go out together …
 DELETE_BATCH = 1000  # … up to this many per request (the S3 maximum)
+DELETE_DEFER_MAX_S = 5.0  # … and wait while moves run, at most this long (a promotion wave goes first)
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
 IDLE_SWEEP_S = 1.0  # the idle policy looks for idle files this often
@@ -377,6 +378,7 @@ class Mover:
             await self.store.delete(ref)
             return
         self.store.release(ref.tier, ref.stored_bytes)
+        self.store.forget_layout(ref)
         self._deleting += 1
         self._doomed.setdefault(source.name, []).append(ref.object_id)
         if source.name not in self._flushing:
@@ -390,6 +392,7 @@ class Mover:
         try:
             while doomed:
                 await trio.sleep(DELETE_GATHER_S)
+                await self._while_moving(doomed)
                 batch = doomed[:DELETE_BATCH]
                 if not batch:
                     continue  # reclaimed meanwhile (_reclaim)
@@ -408,6 +411,14 @@ class Mover:
                     done.set()
         finally:
             del self._flushing[source.name]
+
+    async def _while_moving(self, doomed: list[str]) -> None:
+        """Hold deletions back while moves run (up to DELETE_DEFER_MAX_S, or until a batch is full): on RGW a
+        DELETE costs about what a GET does, and during a wave of promotions each GET has a reader waiting for
+        it. Measured: deletions beside the wave's GETs took a third of the promotion rate."""
+        deadline = trio.current_time() + DELETE_DEFER_MAX_S
+        while self._moving and len(doomed) < DELETE_BATCH and trio.current_time() < deadline:
+            await trio.sleep(DELETE_GATHER_S)
 
     async def _reclaim(self, tier: Tier, oid: str) -> None:
         """An object is about to be written to `tier` under an id whose old copy there still waits for its

@@ -9,6 +9,7 @@ goes is decided by `place`, which the daemon replaces with the mover's policy (i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import os
@@ -24,6 +25,7 @@ from .tiers import Tier
 T = TypeVar("T")
 SHARED_TIER = "L4"  # the only tier that can be shared among nodes
 PROBE_BYTES = 64 << 10  # first read of an object: header + table of up to ~1800 frames
+LAYOUT_CACHE_FRAMES = 1 << 16  # parsed frame tables kept, counted in frames (~10 MB at most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,10 @@ class Store:
         self.io_limiters = {t.name: trio.CapacityLimiter(io_threads) for t in self.order}
         self.read_bytes = {t.name: 0 for t in self.order}  # stored bytes read for file reads (not moves)
         self.place: Placement = self.place_now
+        # Frame tables of private objects (never rewritten: an id is not reused), newest last: a file opened
+        # again, or just promoted by its reader (the copy parses its head), reads without a layout hop.
+        self._layouts: collections.OrderedDict[ObjectRef, Layout] = collections.OrderedDict()
+        self._layout_frames = 0
 
     async def cpu(self, fn: Callable[..., T], *args) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.codec_limiter)
@@ -130,9 +136,10 @@ class Store:
         source = self.tiers[ref.tier]
         slower = max(source, dest, key=self.order.index)  # the copy waits on the slower tier's I/O
         new_id = object_id(ref.ino, ref.gen)  # a published object's local copy is named like any other
+        head = bytearray()
         try:
             size = await self.io(slower.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
-                                 dest.persistent, new_id, size=ref.stored_bytes)
+                                 dest.persistent, new_id, head, size=ref.stored_bytes)
             if size != ref.stored_bytes:
                 raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
                                         f"the index says {ref.stored_bytes}")
@@ -140,7 +147,9 @@ class Store:
             with trio.CancelScope(shield=True):
                 await self.io(dest.name, dest.delete, new_id)
             raise
-        return ObjectRef(ref.ino, ref.gen, dest.name, size)
+        new_ref = ObjectRef(ref.ino, ref.gen, dest.name, size)
+        self._keep_layout(new_ref, self._layouts.get(ref) or _layout_in(head, size))
+        return new_ref
 
     async def quarantine(self, ref: ObjectRef) -> str | None:
         tier = self.tiers[ref.tier]
@@ -148,24 +157,34 @@ class Store:
 
     async def delete(self, ref: ObjectRef) -> None:
         self.release(ref.tier, ref.stored_bytes)
+        self.forget_layout(ref)
         tier = self.tiers[ref.tier]
         await self.io(ref.tier, tier.delete, ref.object_id)
 
     async def load_layout(self, ref: ObjectRef) -> Layout:
+        layout = self._layouts.get(ref)
+        if layout is not None:
+            self._layouts.move_to_end(ref)
+            return layout
         tier = self.tiers[ref.tier]
-        head = await self.io(ref.tier, tier.read, ref.object_id, 0, PROBE_BYTES)
-        self.read_bytes[ref.tier] += len(head)
-        return await self.cpu(self._parse_layout, tier, ref, head)
+        layout, read = await self.io(ref.tier, _read_layout, tier, ref)
+        self.read_bytes[ref.tier] += read
+        self._keep_layout(ref, layout)
+        return layout
 
-    @staticmethod
-    def _parse_layout(tier: Tier, ref: ObjectRef, head: bytes) -> Layout:
-        header = fmt.parse_header(head)
-        if header.data_offset > len(head):
-            head = tier.read(ref.object_id, 0, header.data_offset)
-        if len(head) < header.data_offset:
-            raise fmt.CorruptObject("object shorter than its frame table")
-        frames = fmt.parse_table(header, memoryview(head)[header.size:], ref.stored_bytes)
-        return Layout(header, frames)
+    def _keep_layout(self, ref: ObjectRef, layout: Layout | None) -> None:
+        if layout is None or ref.key is not None or ref in self._layouts:
+            return  # a published object's name can be published again by another node, with other bytes
+        self._layouts[ref] = layout
+        self._layout_frames += len(layout.frames)
+        while self._layout_frames > LAYOUT_CACHE_FRAMES and len(self._layouts) > 1:
+            _, old = self._layouts.popitem(last=False)
+            self._layout_frames -= len(old.frames)
+
+    def forget_layout(self, ref: ObjectRef) -> None:
+        layout = self._layouts.pop(ref, None)
+        if layout is not None:
+            self._layout_frames -= len(layout.frames)
 
     async def read_payload(self, ref: ObjectRef, entry: fmt.FrameEntry) -> bytes:
         if entry.is_hole:
@@ -190,6 +209,32 @@ class Store:
 def credit_for(tier: Tier, replacing: ObjectRef | None) -> int:
     """Room a commit may count on: the object it replaces in that tier is deleted right after."""
     return replacing.stored_bytes if replacing is not None and replacing.tier == tier.name else 0
+
+
+def _read_layout(tier: Tier, ref: ObjectRef) -> tuple[Layout, int]:
+    """An object's frame table and the bytes read for it, read and parsed in one worker-thread hop (parsing
+    takes microseconds; each hop back to the trio thread costs milliseconds on a busy machine)."""
+    head = tier.read(ref.object_id, 0, PROBE_BYTES)
+    read = len(head)
+    header = fmt.parse_header(head)
+    if header.data_offset > len(head):
+        head = tier.read(ref.object_id, 0, header.data_offset)
+        read += len(head)
+    if len(head) < header.data_offset:
+        raise fmt.CorruptObject("object shorter than its frame table")
+    return Layout(header, fmt.parse_table(header, memoryview(head)[header.size:], ref.stored_bytes)), read
+
+
+def _layout_in(head: bytes | bytearray, size: int) -> Layout | None:
+    """The frame table in the first bytes of a copied object, or None when they do not hold it whole or do
+    not parse (the first read then loads the layout itself and reports what is wrong)."""
+    try:
+        header = fmt.parse_header(head)
+        if header.data_offset > len(head):
+            return None
+        return Layout(header, fmt.parse_table(header, memoryview(head)[header.size:], size))
+    except (fmt.CorruptObject, ValueError):
+        return None
 
 
 def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes:

@@ -6,10 +6,13 @@ Per round, on real KV files (tests/data/kv, or --data DIR of .kv files), with fr
   demotion   files written and fsync'ed into a roomy L3 are remounted with an L3 of 1 MiB: the mover demotes all
              of them to L4 (4 moves in flight). Rate = stored bytes / (mount live → L4 holds them all).
   raw PUT    the same objects' bytes PUT by boto3 under another prefix, 4 threads (the mover's concurrency).
-  promotion  half the files: one byte of each read through the mount by THREADS readers (promote always: the
-             first read promotes the file: one whole-object GET, then served from L2); the other half read
-             whole by THREADS kvfs.direct readers, as the connector reads (locating a file promotes it, then
-             its L2 object is read past FUSE): rate = stored bytes / (first read → all on L2). Then every file is read whole and checked.
+  promotion  a third of the files: one byte of each read through the mount by THREADS readers (promote
+             always: the first read promotes the file: one whole-object GET, then served from L2); a third
+             read whole by THREADS kvfs.direct readers, as the connector reads (locating a file promotes it,
+             then its L2 object is read past FUSE); a third prefetched (kvfs.client.prefetch, the hot/cold
+             API: the mover promotes them, MOVES_IN_FLIGHT at a time, no reader waiting): rate = stored bytes /
+             (first read or prefetch → all on L2). The deletions of the L4 copies (background, held back
+             while moves run) finish before the next part starts. Then every file is read whole and checked.
   raw GET    the same objects fetched whole by boto3, 4 threads.
   cold read  open+read+close latency of one file (p50 over the files) from L2, L3 (its object dropped from
              the page cache) and L4 (promote never), the mount's page cache dropped before each read.
@@ -35,10 +38,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 from ceph_cluster import BUCKET, CephCluster  # noqa: E402
 
-from kvfs import direct  # noqa: E402
+from kvfs import client, direct  # noqa: E402
 
 THREADS = 4
 POLL_S = 0.02
+SETTLE_S = 1.0
 
 
 class Mount:
@@ -172,30 +176,37 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
 
     # promotion: read each file once with promotion on
     m.start("--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
-    halves = {"read": names[0::2], "direct": names[1::2]}
-    half_mb = {k: sum(len(files[names.index(n)]) for n in v) for k, v in halves.items()}
+    time.sleep(SETTLE_S)  # the new mount's start-up work (its first mover pass, reconcile) is not a promotion
+    parts = {"read": names[0::3], "direct": names[1::3], "prefetch": names[2::3]}
+    part_mb = {k: sum(len(files[names.index(n)]) for n in v) for k, v in parts.items()}
     promote_s, t0 = {}, time.monotonic()
-    for how, reader in (("read", first_byte), ("direct", direct_read)):
-        start, want = time.monotonic(), m.stats()["tiers"]["L2"]["files"] + len(halves[how])
-        with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # THREADS readers: a file's first read
-            list(pool.map(reader, (m.mountpoint / n for n in halves[how])))  # promotes it
+    for how, reader in (("read", first_byte), ("direct", direct_read), ("prefetch", None)):
+        start, want = time.monotonic(), m.stats()["tiers"]["L2"]["files"] + len(parts[how])
+        if reader is None:
+            client.prefetch([m.mountpoint / n for n in parts[how]])  # returns at once; the mover promotes
+        else:
+            with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # THREADS readers: a file's first
+                list(pool.map(reader, (m.mountpoint / n for n in parts[how])))  # read promotes it
         t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == want and not s["mover"]["moves_in_flight"])
         promote_s[how] = t_done - start
+        wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])  # the next part starts on a quiet store
     t_clean, st = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
     cleaned_s = t_clean - t0
     for name, data in zip(names, files):
         read_checked(m.mountpoint / name, data)
     m.stop()
     mb = stored / 1e6
-    by_half = {how: stored * half_mb[how] / sum(half_mb.values()) / 1e6 for how in halves}  # stored MB each
+    by_part = {how: stored * part_mb[how] / sum(part_mb.values()) / 1e6 for how in parts}  # stored MB each
     return {"files": len(files), "logical_bytes": sum(map(len, files)), "stored_bytes": stored,
             "demotion_MBps": mb / demote_s, "raw_put_MBps": mb / put_s,
-            "promotion_MBps": by_half["read"] / promote_s["read"], "raw_get_MBps": mb / get_s,
-            "promotion_direct_MBps": by_half["direct"] / promote_s["direct"],
+            "promotion_MBps": by_part["read"] / promote_s["read"], "raw_get_MBps": mb / get_s,
+            "promotion_direct_MBps": by_part["direct"] / promote_s["direct"],
+            "promotion_prefetch_MBps": by_part["prefetch"] / promote_s["prefetch"],
             "promotion_with_deletes_MBps": mb / cleaned_s,
             "demotion_vs_put": put_s / demote_s,
-            "promotion_vs_get": by_half["read"] / promote_s["read"] / (mb / get_s),
-            "promotion_direct_vs_get": by_half["direct"] / promote_s["direct"] / (mb / get_s),
+            "promotion_vs_get": by_part["read"] / promote_s["read"] / (mb / get_s),
+            "promotion_direct_vs_get": by_part["direct"] / promote_s["direct"] / (mb / get_s),
+            "promotion_prefetch_vs_get": by_part["prefetch"] / promote_s["prefetch"] / (mb / get_s),
             "cold_read_ms_p50": {t: statistics.median(v) * 1e3 for t, v in cold.items()}}
 
 
@@ -205,7 +216,8 @@ def report(rounds: list[dict], args) -> dict:
 
     summary = {k: med(k) for k in ("demotion_MBps", "raw_put_MBps", "promotion_MBps", "raw_get_MBps",
                                    "demotion_vs_put", "promotion_vs_get", "promotion_with_deletes_MBps",
-                                   "promotion_direct_MBps", "promotion_direct_vs_get")}
+                                   "promotion_direct_MBps", "promotion_direct_vs_get", "promotion_prefetch_MBps",
+                                   "promotion_prefetch_vs_get")}
     summary["cold_read_ms_p50"] = {t: statistics.median(r["cold_read_ms_p50"][t] for r in rounds)
                                    for t in ("L2", "L3", "L4")}
     r0 = rounds[0]
@@ -216,7 +228,9 @@ def report(rounds: list[dict], args) -> dict:
     for label, ours, raw, ratio in (("demotion", "demotion_MBps", "raw_put_MBps", "demotion_vs_put"),
                                     ("promotion", "promotion_MBps", "raw_get_MBps", "promotion_vs_get"),
                                     ("promo direct", "promotion_direct_MBps", "raw_get_MBps",
-                                     "promotion_direct_vs_get")):
+                                     "promotion_direct_vs_get"),
+                                    ("prefetch", "promotion_prefetch_MBps", "raw_get_MBps",
+                                     "promotion_prefetch_vs_get")):
         verdict = "PASS" if summary[ratio] >= 0.8 else "MISS"
         print(f"{label:<12}{summary[ours]:>11.1f}{summary[raw]:>12.1f}{summary[ratio]:>10.2f}   {verdict}")
     print(f"promotion until the L4 copies are deleted too (background DELETEs): "
@@ -229,7 +243,7 @@ def report(rounds: list[dict], args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--files", type=int, default=24)
+    p.add_argument("--files", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--data", type=Path, default=REPO / "tests" / "data" / "kv")
     p.add_argument("--store", choices=["memstore", "bluestore"], default="memstore")
@@ -252,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 rounds.append(one_round(r, files, cluster, base, s3))
                 print(f"round {r}: demotion {rounds[-1]['demotion_vs_put']:.2f}x raw PUT, promotion "
-                      f"{rounds[-1]['promotion_vs_get']:.2f}x / {rounds[-1]['promotion_direct_vs_get']:.2f}x raw GET "
-                      f"(mount reads / kvfs.direct)", flush=True)
+                      f"{rounds[-1]['promotion_vs_get']:.2f}x / {rounds[-1]['promotion_direct_vs_get']:.2f}x / "
+                      f"{rounds[-1]['promotion_prefetch_vs_get']:.2f}x raw GET (mount reads / kvfs.direct / "
+                      f"prefetch)", flush=True)
         finally:
             cluster.stop()
     doc = report(rounds, args)

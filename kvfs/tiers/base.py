@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 
 COPY_CHUNK = 4 << 20
+HEAD_BYTES = 64 << 10  # what copy_from keeps of an object's start: its header and frame table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +75,12 @@ class Tier(abc.ABC):
     def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
         """Atomically create the object from parts (temp name, rename); fsync when durable. Returns size."""
 
-    def copy_from(self, source: "Tier", object_id: str, size: int, durable: bool, new_id: str | None = None) -> int:
+    def copy_from(self, source: "Tier", object_id: str, size: int, durable: bool, new_id: str | None = None,
+                  head: bytearray | None = None) -> int:
         """Create the object (as `new_id`, else the same id) as a copy of `source`'s (the move protocol: temp,
-        fsync, rename). Returns the bytes copied; fewer than `size` when the source is shorter."""
-        return self.put(new_id or object_id, source.chunks(object_id, size), durable)
+        fsync, rename). Returns the bytes copied; fewer than `size` when the source is shorter. `head`, when
+        given, receives the first HEAD_BYTES copied (the caller parses the frame table without a read)."""
+        return self.put(new_id or object_id, _keeping_head(source.chunks(object_id, size), head), durable)
 
     def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
         """The object's bytes in pieces, for a copy; ends early when the object is shorter than `size`."""
@@ -124,6 +127,13 @@ class Tier(abc.ABC):
     def remove_strays(self) -> int:
         """Delete what is not an object in its place (leftovers of interrupted puts, misplaced files);
         returns how many. After it, scan() yields only objects that delete() can remove."""
+
+
+def _keeping_head(chunks: Iterable[bytes], head: bytearray | None) -> Iterator[bytes]:
+    for chunk in chunks:
+        if head is not None and len(head) < HEAD_BYTES:
+            head += memoryview(chunk)[:HEAD_BYTES - len(head)]
+        yield chunk
 
 
 def _chunks(source: Tier, object_id: str, size: int) -> Iterator[bytes]:
