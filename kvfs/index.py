@@ -83,6 +83,47 @@ CREATE TABLE IF NOT EXISTS xattrs (
 ) WITHOUT ROWID;
 """
 
+# Per-tier totals of committed objects, kept by triggers as the inodes change, so that .kvfs/stats (metrics
+# scrapes, kvfs top once a second) costs no scan: GROUP BY over 1M inodes took 0.75 s of the trio thread,
+# during which no FUSE request was served. TEMP (this connection's, in memory): rebuilt from inodes at open,
+# so the on-disk schema is unchanged, and rolled back with the transaction that changed the inodes.
+# Invariant: for each tier, the sums over inodes with obj_gen > 0 in it (rows with files = 0 are stale).
+TIER_TOTALS = """
+CREATE TEMP TABLE tier_totals (
+    tier          TEXT PRIMARY KEY,
+    files         INTEGER NOT NULL,
+    size          INTEGER NOT NULL,
+    stored        INTEGER NOT NULL,
+    pinned        INTEGER NOT NULL,
+    pinned_stored INTEGER NOT NULL
+);
+INSERT INTO tier_totals
+    SELECT obj_tier, COUNT(*), SUM(size), SUM(stored_bytes), SUM(pinned),
+           SUM(CASE WHEN pinned THEN stored_bytes ELSE 0 END)
+    FROM main.inodes WHERE obj_gen > 0 GROUP BY obj_tier;
+CREATE TEMP TRIGGER tier_totals_insert AFTER INSERT ON main.inodes WHEN NEW.obj_gen > 0 BEGIN
+    INSERT OR IGNORE INTO tier_totals VALUES (NEW.obj_tier, 0, 0, 0, 0, 0);
+    UPDATE tier_totals SET files = files + 1, size = size + NEW.size, stored = stored + NEW.stored_bytes,
+        pinned = pinned + NEW.pinned, pinned_stored = pinned_stored + NEW.pinned * NEW.stored_bytes
+    WHERE tier = NEW.obj_tier;
+END;
+CREATE TEMP TRIGGER tier_totals_delete AFTER DELETE ON main.inodes WHEN OLD.obj_gen > 0 BEGIN
+    UPDATE tier_totals SET files = files - 1, size = size - OLD.size, stored = stored - OLD.stored_bytes,
+        pinned = pinned - OLD.pinned, pinned_stored = pinned_stored - OLD.pinned * OLD.stored_bytes
+    WHERE tier = OLD.obj_tier;
+END;
+CREATE TEMP TRIGGER tier_totals_update AFTER UPDATE OF obj_gen, obj_tier, size, stored_bytes, pinned
+ON main.inodes BEGIN
+    UPDATE tier_totals SET files = files - 1, size = size - OLD.size, stored = stored - OLD.stored_bytes,
+        pinned = pinned - OLD.pinned, pinned_stored = pinned_stored - OLD.pinned * OLD.stored_bytes
+    WHERE tier = OLD.obj_tier AND OLD.obj_gen > 0;
+    INSERT OR IGNORE INTO tier_totals SELECT NEW.obj_tier, 0, 0, 0, 0, 0 WHERE NEW.obj_gen > 0;
+    UPDATE tier_totals SET files = files + 1, size = size + NEW.size, stored = stored + NEW.stored_bytes,
+        pinned = pinned + NEW.pinned, pinned_stored = pinned_stored + NEW.pinned * NEW.stored_bytes
+    WHERE tier = NEW.obj_tier AND NEW.obj_gen > 0;
+END;
+"""
+
 # Columns that setattr-like updates may touch.
 _ATTR_COLUMNS = frozenset({"mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns"})
 
@@ -114,6 +155,8 @@ class Index:
         self.db.execute("PRAGMA foreign_keys=OFF")
         self.db.executescript(SCHEMA)
         self._migrate()
+        self.db.execute("PRAGMA temp_store=MEMORY")
+        self.db.executescript(TIER_TOTALS)
         self._sync_lock = threading.Lock()
         self._pending_access: dict[int, int] = {}
         self._ensure_root()
@@ -165,10 +208,9 @@ class Index:
 
     def tier_totals(self) -> dict[str, tuple[int, int, int, int, int]]:
         """tier → (files, logical bytes, stored bytes, pinned files, pinned stored bytes) of committed objects."""
-        rows = self.db.execute("SELECT obj_tier, COUNT(*), SUM(size), SUM(stored_bytes), SUM(pinned), "
-                               "SUM(CASE WHEN pinned THEN stored_bytes ELSE 0 END) FROM inodes "
-                               "WHERE obj_gen > 0 GROUP BY obj_tier").fetchall()
-        return {r[0]: (r[1], r[2] or 0, r[3] or 0, r[4] or 0, r[5] or 0) for r in rows}
+        rows = self.db.execute("SELECT tier, files, size, stored, pinned, pinned_stored FROM temp.tier_totals "
+                               "WHERE files > 0").fetchall()
+        return {r[0]: tuple(r[1:]) for r in rows}
 
     def pinned_bytes(self) -> int:
         """Stored bytes of every pinned file, wherever it is now (pins are the fastest tier's: I8)."""
