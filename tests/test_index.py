@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+import tempfile
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -95,14 +97,15 @@ OPS = st.lists(st.tuples(st.sampled_from(["create", "commit", "empty", "move", "
 def test_tier_totals_follow_every_change(tmp_path, ops):
     """The trigger-kept totals (.kvfs/stats reads them without a scan) equal a scan after any sequence of the
     index's own operations, a rolled-back transaction included, and after a reopen."""
-    path = tmp_path / f"t{abs(hash(tuple(ops)))}.sqlite"
+    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "i.sqlite"  # a fresh index per example (tmp_path is shared)
     idx = Index(path)
     files: list[int] = []
-    gen = 0
+    gen = created = 0
     for op, k, tier, n in ops:
         ino = files[k % len(files)] if files else None
         if op == "create" or ino is None:
-            files.append(idx.create(ROOT_INODE, f"f{len(files)}".encode(), stat.S_IFREG | 0o644, 0, 0))
+            created += 1
+            files.append(idx.create(ROOT_INODE, f"f{created}".encode(), stat.S_IFREG | 0o644, 0, 0))
         elif op == "commit":
             gen += 1
             idx.switch_object(ino, gen=gen, tier=tier, size=n, stored_bytes=n // 3, codec="entropy",
