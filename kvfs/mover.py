@@ -415,7 +415,7 @@ class Mover:
     async def _while_moving(self, doomed: list[str]) -> None:
         """Hold deletions back while moves run (up to DELETE_DEFER_MAX_S, or until a batch is full): on RGW a
         DELETE costs about what a GET does, and during a wave of promotions each GET has a reader waiting for
-        it. Measured: deletions beside the wave's GETs took a third of the promotion rate."""
+        it. Measured: deletions beside the wave's GETs took a third to a half of the promotion rate."""
         deadline = trio.current_time() + DELETE_DEFER_MAX_S
         while self._moving and len(doomed) < DELETE_BATCH and trio.current_time() < deadline:
             await trio.sleep(DELETE_GATHER_S)

@@ -21,10 +21,11 @@ import trio
 from . import format as fmt
 from .index import object_id
 from .tiers import Tier
+from .tiers.base import HEAD_BYTES
 
 T = TypeVar("T")
 SHARED_TIER = "L4"  # the only tier that can be shared among nodes
-PROBE_BYTES = 64 << 10  # first read of an object: header + table of up to ~1800 frames
+PROBE_BYTES = HEAD_BYTES  # first read of an object (and what a copy keeps): header + table of ~1800 frames
 LAYOUT_CACHE_FRAMES = 1 << 16  # parsed frame tables kept, counted in frames (~10 MB at most)
 
 
@@ -136,10 +137,9 @@ class Store:
         source = self.tiers[ref.tier]
         slower = max(source, dest, key=self.order.index)  # the copy waits on the slower tier's I/O
         new_id = object_id(ref.ino, ref.gen)  # a published object's local copy is named like any other
-        head = bytearray()
         try:
-            size = await self.io(slower.name, dest.copy_from, source, ref.object_id, ref.stored_bytes,
-                                 dest.persistent, new_id, head, size=ref.stored_bytes)
+            size, layout = await self.io(slower.name, _copy_reading_table, dest, source, ref, new_id,
+                                         size=ref.stored_bytes)
             if size != ref.stored_bytes:
                 raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
                                         f"the index says {ref.stored_bytes}")
@@ -148,7 +148,7 @@ class Store:
                 await self.io(dest.name, dest.delete, new_id)
             raise
         new_ref = ObjectRef(ref.ino, ref.gen, dest.name, size)
-        self._keep_layout(new_ref, self._layouts.get(ref) or _layout_in(head, size))
+        self._keep_layout(new_ref, self._layouts.get(ref) or layout)
         return new_ref
 
     async def quarantine(self, ref: ObjectRef) -> str | None:
@@ -225,16 +225,19 @@ def _read_layout(tier: Tier, ref: ObjectRef) -> tuple[Layout, int]:
     return Layout(header, fmt.parse_table(header, memoryview(head)[header.size:], ref.stored_bytes)), read
 
 
-def _layout_in(head: bytes | bytearray, size: int) -> Layout | None:
-    """The frame table in the first bytes of a copied object, or None when they do not hold it whole or do
-    not parse (the first read then loads the layout itself and reports what is wrong)."""
+def _copy_reading_table(dest: Tier, source: Tier, ref: ObjectRef, new_id: str) -> tuple[int, Layout | None]:
+    """The move's copy (durable where dest is persistent), and the frame table parsed from the bytes it
+    moved, in the same worker thread: None when they do not hold it whole or do not verify (the first read
+    then loads the table itself and reports what is wrong)."""
+    head = bytearray()
+    size = dest.copy_from(source, ref.object_id, ref.stored_bytes, dest.persistent, new_id, head)
     try:
         header = fmt.parse_header(head)
         if header.data_offset > len(head):
-            return None
-        return Layout(header, fmt.parse_table(header, memoryview(head)[header.size:], size))
-    except (fmt.CorruptObject, ValueError):
-        return None
+            return size, None
+        return size, Layout(header, fmt.parse_table(header, memoryview(head)[header.size:], size))
+    except fmt.CorruptObject:
+        return size, None
 
 
 def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes:
