@@ -13,7 +13,7 @@ import pytest
 from conftest import kv_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfs_connector import chunkfile, naming
+from kvfs_connector import chunkfile, cpus, naming
 from kvfs_connector.chunkfile import ChunkMismatch
 from kvfs_connector.mount import MountGuard
 from kvfs_connector.plan import Planner
@@ -112,6 +112,58 @@ def test_settings_are_checked():
     assert Settings.from_extra({"mount": "/m", "lossy": "FP8"}).lossy_mode == "fp8"
     with pytest.raises(ValueError, match="lossy"):
         Settings.from_extra({"mount": "/m", "lossy": "int2"})
+    assert Settings.from_extra({"mount": "/m", "io_cpus": "0-1,4"}).io_cpus == "0-1,4"
+    for bad in ("all", "3-1", "1,,2", ""):
+        with pytest.raises(ValueError, match="io_cpus"):
+            Settings.from_extra({"mount": "/m", "io_cpus": bad})
+
+
+def test_cpu_lists_round_trip():
+    assert cpus.parse_cpu_list("0-3,8") == {0, 1, 2, 3, 8}
+    assert cpus.parse_cpu_list(" 5 ") == {5}
+    assert cpus.format_cpu_list(frozenset({0, 1, 2, 3, 8, 10, 11})) == "0-3,8,10-11"
+    for text in ("0-3,8", "7", "0-1,3-4,9"):
+        assert cpus.format_cpu_list(cpus.parse_cpu_list(text)) == text
+
+
+def test_numa_cpus_keeps_io_threads_on_the_workers_nodes(tmp_path):
+    for node, cpulist in (("node0", "0-3"), ("node1", "4-7")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpulist + "\n")
+    assert cpus.numa_cpus(frozenset({1}), tmp_path) == {0, 1, 2, 3}
+    assert cpus.numa_cpus(frozenset({3, 4}), tmp_path) == set(range(8))
+    assert cpus.numa_cpus(frozenset({1}), tmp_path / "absent") >= {1}
+
+
+IO_CPUS_CHILD = """
+import concurrent.futures as cf, json, os
+from kvfs_connector import cpus
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # bound like a vLLM CPU worker
+chosen = cpus.io_cpus("auto")
+pool = cf.ThreadPoolExecutor(2, initializer=cpus.pin_current_thread, initargs=(chosen,))
+print(json.dumps({"chosen": sorted(chosen) if chosen is not None else None, "mine": sorted(os.sched_getaffinity(0)),
+                  "threads": pool.submit(lambda: sorted(os.sched_getaffinity(0))).result(),
+                  "worker": cpus.io_cpus("worker")}))
+"""
+
+
+def test_io_threads_leave_a_bound_worker_for_the_cpus_of_its_parent():
+    """A process bound to one CPU (as vLLM binds its CPU workers) runs the connector's I/O threads on the
+    CPUs of the process that started it; "worker" leaves them where they are."""
+    import json
+    import subprocess
+    import sys
+
+    out = json.loads(subprocess.run([sys.executable, "-c", IO_CPUS_CHILD], capture_output=True, text=True,
+                                    check=True).stdout)
+    parent = sorted(os.sched_getaffinity(0))
+    assert out["mine"] == parent[:1]
+    assert out["worker"] is None
+    if len(parent) > 1:
+        assert out["chosen"] == parent
+        assert out["threads"] == parent
+    else:  # one CPU: nothing to move to
+        assert out["chosen"] is None and out["threads"] == parent
 
 
 def test_lossy_chunks_have_their_own_namespace_and_descriptor():

@@ -10,6 +10,9 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
   kvfs-zstd      ... codec zstd
   kvfs-zstd-fuse ... codec zstd, every byte through FUSE (the connector's direct_reads off): what reading
                  objects past FUSE (kvfs.direct, the default) gains
+  kvfs-zstd-bound ... codec zstd, the connector's reader and writer threads kept on the worker's own CPUs
+                 (io_cpus "worker"; vLLM binds a CPU worker to its compute cores): what io_cpus "auto", the
+                 default, gains by letting them use the reserved cores too
   kvfs-deflate   ... codec deflate (ISA-L; the QAT format)
   kvfs-L3        ... codec zstd, L2 of 1 MiB and --promote never: every chunk read from L3 (the SSD tier),
                  its object files dropped from the page cache first (cold)
@@ -74,8 +77,8 @@ ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * ELEMENT  # all layers' K and V
 CHUNK = 256  # tokens per chunk file (kvfs) and per LMCache chunk; --chunk changes both
 TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
-ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-deflate", "kvfs-L3", "kvfs-L4", "lmcache",
-        "vllm-prefix-cache"]
+ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-zstd-bound", "kvfs-deflate", "kvfs-L3",
+        "kvfs-L4", "lmcache", "vllm-prefix-cache"]
 ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3, "dtype": DTYPE}
 ENV = {"PYTHONHASHSEED": "0"}
 L1_GIB = 5.0 if ELEMENT == 2 else 8.0  # kvfs L2 and LMCache L1 alike: all stored KV fits
@@ -324,7 +327,7 @@ def main() -> int:
                 results[arm] = measure(work, arm, rounds, None, None, warmup=store_rounds(w))
             elif arm.startswith("kvfs"):
                 extra = {"kvfs-none": ["--codec", "none"], "kvfs-zstd": ["--codec", "zstd"],
-                         "kvfs-zstd-fuse": ["--codec", "zstd"],
+                         "kvfs-zstd-fuse": ["--codec", "zstd"], "kvfs-zstd-bound": ["--codec", "zstd"],
                          "kvfs-deflate": ["--codec", "deflate"],
                          "kvfs-L3": ["--codec", "zstd", "--promote", "never", "--l3",
                                      f"{work / arm / 'l3'}:32G"],
@@ -342,7 +345,8 @@ def main() -> int:
                         for obj in (work / arm / "l3").rglob("*"):
                             if obj.is_file():
                                 fadvise_dontneed(obj)
-                    settings = {**chunk, "direct_reads": arm != "kvfs-zstd-fuse"}
+                    settings = {**chunk, "direct_reads": arm != "kvfs-zstd-fuse",
+                                "io_cpus": "worker" if arm == "kvfs-zstd-bound" else "auto"}
                     results[arm] = measure(work, arm, rounds, kvfs_connector(m.mountpoint, **settings), st["pid"])
                     results[arm]["stored_ratio"] = st["compression_ratio"]
                 finally:

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from . import cpus
 from . import layout as layouts
 from .mount import MountGuard
 from .naming import NamespaceKey, seed_identity
@@ -146,12 +147,14 @@ class KVFSConnector(KVConnectorBase_V1):
 
         rank = (parallel_state.get_pp_group().rank_in_group * parallel_state.get_tp_group().world_size
                 + parallel_state.get_tp_group().rank_in_group)
+        io_cpus = cpus.io_cpus(self.settings.io_cpus)  # after vLLM bound this worker: "auto" compares with it
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
                                  self.settings.io_threads, self.settings.max_pending_save_mb << 20,
                                  self.settings.direct_reads, self.settings.lossy_mode,
-                                 self.settings.demote_after_idle_s)
+                                 self.settings.demote_after_idle_s, io_cpus)
         self.worker.warm_up()
-        log.info("kvfs connector worker: %d layers, layout %s, rank %d", len(tensors), chosen.name, rank)
+        log.info("kvfs connector worker: %d layers, layout %s, rank %d, I/O threads on %s", len(tensors),
+                 chosen.name, rank, "the worker's CPUs" if io_cpus is None else f"CPUs {cpus.format_cpu_list(io_cpus)}")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -8,6 +8,8 @@ from typing import Any
 
 from kvfs import lossy
 
+from . import cpus
+
 DEFAULT_CHUNK_TOKENS = 256
 
 
@@ -19,6 +21,7 @@ class Settings:
     require_mount: bool = True  # only use `mount` while it is a mount point (never fill the disk under it)
     save_decode: bool = True  # also save chunks completed while decoding (the next turn reuses them)
     io_threads: int = 4
+    io_cpus: str = "auto"  # CPUs of the reader/writer threads: "auto", "worker" or a list like "0-3,8" (cpus.py)
     direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
     lossy: str = "none"  # opt-in: kvfs lossy mode for the chunks (mantissa:K or fp8[:G]); its own namespace
@@ -45,6 +48,10 @@ class Settings:
             raise ValueError(f"kvfs connector: {e}") from None
         if not isinstance(s.demote_after_idle_s, int) or s.demote_after_idle_s < 0:
             raise ValueError("kvfs connector: demote_after_idle_s must be a whole number of seconds >= 0")
+        try:
+            cpus.check(s.io_cpus)
+        except ValueError as e:
+            raise ValueError(f'kvfs connector: io_cpus must be "auto", "worker" or a CPU list: {e}') from None
         if s.io_threads < 1 or s.max_pending_save_mb < 0:
             raise ValueError("kvfs connector: io_threads must be >= 1 and max_pending_save_mb >= 0")
         return s

@@ -24,7 +24,7 @@ import time
 import torch
 from kvfs import direct
 
-from . import chunkfile, files
+from . import chunkfile, cpus, files
 from .buffers import BufferPool
 from .chunkfile import ChunkMismatch
 from .layout import ChunkLayout
@@ -47,7 +47,8 @@ class _Load:
 class WorkerSide:
     def __init__(self, layout: ChunkLayout, kv_layers: list[torch.Tensor], layer_index: dict[str, int],
                  rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int,
-                 direct_reads: bool = True, lossy: str = "none", idle_s: int = 0) -> None:
+                 direct_reads: bool = True, lossy: str = "none", idle_s: int = 0,
+                 io_cpus: frozenset[int] | None = None) -> None:
         self.layout = layout
         self.descriptor = layout.descriptor()
         if lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
@@ -56,8 +57,10 @@ class WorkerSide:
         self.layer_index = layer_index
         self.rank = rank
         self.guard = guard
-        self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read")
-        self.writer = cf.ThreadPoolExecutor(2, thread_name_prefix="kvfs-write")
+        self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read",
+                                             initializer=cpus.pin_current_thread, initargs=(io_cpus,))
+        self.writer = cf.ThreadPoolExecutor(2, thread_name_prefix="kvfs-write",
+                                            initializer=cpus.pin_current_thread, initargs=(io_cpus,))
         self.max_pending = max_pending_save_bytes
         self.file_size = chunkfile.HEADER_SIZE + layout.payload_elements * layout.g.dtype.itemsize
         self.file_buffers = BufferPool(lambda: bytearray(self.file_size), keep=io_threads)  # one per reader
