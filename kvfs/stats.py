@@ -75,7 +75,7 @@ def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int
             "read_bytes": read_bytes.get(t.name, 0),
             "pinned_files": pinned_files,  # pinned files whose object is here now (promotion may be pending)
             "pinned_bytes": pinned_bytes,
-            **dataclasses.asdict(counters.tier(t.name)),
+            **_fields(counters.tier(t.name)),
             **t.stats(),
         }
     doc = {
@@ -94,9 +94,15 @@ def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int
         "dirty_bytes": dirty_bytes,
         "mover": mover,
         "qat": qat,
-        **{k: v for k, v in dataclasses.asdict(counters).items() if k != "tiers"},
+        **_fields(counters, skip="tiers"),
     }
     return doc
+
+
+def _fields(obj, skip: str = "") -> dict:
+    """A dataclass's fields, shallow: dataclasses.asdict deep-copies every value (0.18 ms of each stats read,
+    on the trio thread)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != skip}
 
 
 def to_json(doc: dict) -> bytes:

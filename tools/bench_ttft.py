@@ -11,8 +11,8 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
   kvfs-zstd-fuse ... codec zstd, every byte through FUSE (the connector's direct_reads off): what reading
                  objects past FUSE (kvfs.direct, the default) gains
   kvfs-zstd-bound ... codec zstd, the connector's reader and writer threads kept on the worker's own CPUs
-                 (io_cpus "worker"; vLLM binds a CPU worker to its compute cores): what io_cpus "auto", the
-                 default, gains by letting them use the reserved cores too
+                 (io_cpus "worker", the connector's default; vLLM binds a CPU worker to its compute cores). The
+                 other kvfs arms run with io_cpus "auto" (the reserved cores too): this arm is the comparison
   kvfs-deflate   ... codec deflate (ISA-L; the QAT format)
   kvfs-L3        ... codec zstd, L2 of 1 MiB and --promote never: every chunk read from L3 (the SSD tier),
                  its object files dropped from the page cache first (cold)
@@ -28,9 +28,11 @@ Arms (every one a fresh engine process, vLLM's own prefix cache off, so hits com
 
 Workloads (distinct token sequences from Python's standard library sources, never shared between prompts):
   full hit     prompts of --lengths tokens (default 1024 2048 4096 8000), all chunks stored beforehand
-  multi-turn   turn 1: 3200-token prompt + 64 generated tokens (stored by the storing engine); measured: turn 2
-               = turn 1 + its answer + 576 new tokens = 3840 tokens, 3072 of them stored: 80% token hit rate
-each at concurrency 1 (--reps requests one after another) and 8 (8 requests submitted together), after
+  multi-turn   turn 1: 3072-token prompt + 64 generated tokens (stored by the storing engine); measured: turn 2
+               = turn 1 + its answer + 704 new tokens = 3840 tokens, 3072 of them stored: 80% token hit rate
+               for every arm, vllm-prefix-cache included (its 128-token blocks end where the 12 chunks end)
+each at concurrency 1 (--reps requests one after another) and 8 (8 requests submitted together: the engine's
+scheduler is paused while they are added, so its first step sees all 8, not the ones that reached it first), after
 one unmeasured warm-up request per length and one warm-up conversation in every measured engine.
 TTFT = submission to the engine step that produced the first token (max_tokens 1). Hit rate = stored prompt
 tokens / prompt tokens. Every connector arm must show external hit tokens > 0 in every round.
@@ -76,10 +78,10 @@ DTYPE = vllm_driver.engine_dtype()  # bfloat16 where the CPU has bf16 instructio
 ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * ELEMENT  # all layers' K and V
 CHUNK = 256  # tokens per chunk file (kvfs) and per LMCache chunk; --chunk changes both
-TURN1, ANSWER, FOLLOW_UP = 3200, 64, 576  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
+TURN1, ANSWER, FOLLOW_UP = 3072, 64, 704  # turn 1 stores 12 chunks (3072 tokens); turn 2 is 3840 tokens
 ARMS = ["recompute", "kvfs-none", "kvfs-zstd", "kvfs-zstd-fuse", "kvfs-zstd-bound", "kvfs-deflate", "kvfs-L3",
         "kvfs-L4", "lmcache", "vllm-prefix-cache"]
-ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3, "dtype": DTYPE}
+ENGINE = {"max_model_len": 8192, "kv_cache_gib": 3, "dtype": DTYPE, "atomic_groups": True}
 ENV = {"PYTHONHASHSEED": "0"}
 L1_GIB = 5.0 if ELEMENT == 2 else 8.0  # kvfs L2 and LMCache L1 alike: all stored KV fits
 MEMORY_BUDGET = f"{L1_GIB:g}G"
@@ -401,6 +403,13 @@ def targets(arms: dict) -> list[dict]:
             if r["kind"] == "multi-turn":
                 out.append({"target": f"{arm} multi-turn (80% hit) c{r['conc']}: >= 4x faster",
                             "value": round(speedup, 2), "pass": speedup >= 4})
+    for r in arms.get("vllm-prefix-cache", {}).get("rows", []) if rec else []:
+        base = _row(arms, "recompute", r["kind"], r["conc"], r["length"])
+        if r["kind"] == "multi-turn" and base:  # the same hits with nothing to load: is 4x reachable at all?
+            speedup = base["ttft_p50_s"] / r["ttft_p50_s"]
+            out.append({"target": f"ceiling (vllm-prefix-cache, {r['hit_rate']:.0%} hit, loads nothing) "
+                                  f"multi-turn c{r['conc']}: >= 4x faster", "value": round(speedup, 2),
+                        "pass": speedup >= 4})
     if "kvfs-none" in arms:
         for arm in ("kvfs-zstd", "kvfs-deflate"):
             for r in arms.get(arm, {}).get("rows", []):
@@ -454,6 +463,8 @@ def plot(doc: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not importable: no plot")
         return
+    if not any(r["kind"] == "full" for a in doc["arms"].values() for r in a["rows"]):
+        return  # the plot is TTFT against the full-hit prompt length
     concs = sorted({r["conc"] for a in doc["arms"].values() for r in a["rows"]})
     fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4.5), squeeze=False)
     for ax, c in zip(axes[0], concs):

@@ -8,13 +8,15 @@ stdin or in a file:
                                         "kv_connector_extra_config": {...}},
      "rounds": [ {"prompts": [[token ids], ...], "max_tokens": 8, "concurrency": 8}, ... ],
      "max_model_len": 8192, "kv_cache_gib": 1, "block_size": null, "dtype": null,
-     "num_gpu_blocks_override": null}
+     "num_gpu_blocks_override": null, "atomic_groups": false}
 
 dtype null means engine_dtype(): bfloat16 where the CPU computes it natively, float32 elsewhere.
 
 A prompt may also be {"extend": [round, index], "extra": [token ids]}: the prompt of that earlier request,
 then its generated tokens, then `extra` — the next turn of a conversation. Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
-previous one finished) through LLMEngine.step(), greedy, and records per request: the generated token ids,
+previous one finished; with "atomic_groups" the scheduler is paused while a group is added, so that its
+first step sees the whole group instead of the requests that reached the engine core first) through
+LLMEngine.step(), greedy, and records per request: the generated token ids,
 num_cached_tokens (vLLM's count of prompt tokens it did not compute: local prefix cache + connector hits),
 TTFT (from submission to the step that produced the first token) and end-to-end latency. A round with
 "prompt_logprobs": K also records, per computed prompt position, [logprob of the prompt token, top-1 token]. Output: one JSON
@@ -92,11 +94,16 @@ def run(job: dict) -> dict:
         for g in range(0, len(prompts), conc):
             group = list(range(g, min(g + conc, len(prompts))))
             submitted = {}
+            gate = job.get("atomic_groups") and len(group) > 1
+            if gate:  # the engine core would start a step with whichever requests reached it first
+                engine.engine_core.call_utility("pause_scheduler", "keep", False)
             for i in group:
                 rid = f"r{n}"
                 n += 1
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i]), params)
                 submitted[rid] = (i, time.perf_counter())
+            if gate:
+                engine.engine_core.call_utility("resume_scheduler")
             first: dict[str, float] = {}
             while engine.has_unfinished_requests():
                 for o in engine.step():

@@ -3,9 +3,11 @@
 vLLM on CPU binds each worker process to its compute cores (one OpenMP thread per core) and leaves the rest
 of the machine (VLLM_CPU_NUM_OF_RESERVED_CPU) to the engine core and the frontend. Threads the connector
 starts inherit that binding, so loads and saves — reading, checksums, decoding, copies in and out of the
-paged cache — would compete with the forward pass for its own cores while the reserved ones idle. "auto"
-lets them run on the CPUs of the process that started the worker, within the worker's NUMA nodes, where
-vLLM bound the worker to fewer; GPU workers, which vLLM does not bind that way, are left as they are.
+paged cache — share the forward pass's cores. "auto" lets them run on the CPUs of the process that started
+the worker, within the worker's NUMA nodes, where vLLM bound the worker to fewer; GPU workers, which vLLM does
+not bind that way, are left as they are. "worker" (the default) keeps the binding: the reserved cores are
+not idle either (the engine core polls for each step's results), and on 2 cores only "auto"'s gain for
+concurrent loads was clear of the noise (docs/connector.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class Settings:
     require_mount: bool = True  # only use `mount` while it is a mount point (never fill the disk under it)
     save_decode: bool = True  # also save chunks completed while decoding (the next turn reuses them)
     io_threads: int = 4
-    io_cpus: str = "auto"  # CPUs of the reader/writer threads: "auto", "worker" or a list like "0-3,8" (cpus.py)
+    io_cpus: str = "worker"  # CPUs of the reader/writer threads: "worker", "auto" or a list like "0-3,8" (cpus.py)
     direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
     lossy: str = "none"  # opt-in: kvfs lossy mode for the chunks (mantissa:K or fp8[:G]); its own namespace
