@@ -181,6 +181,13 @@ class Mount:
     def stats(self) -> dict:
         return json.loads((self.mountpoint / ".kvfs" / "stats").read_bytes())
 
+    def keep_log(self, where: Path) -> Path:
+        """The daemon's log outlives the mount's state directory (a failed arm is diagnosed from it)."""
+        where.mkdir(parents=True, exist_ok=True)
+        kept = where / f"kvfs-{self.dir.name}.log"
+        shutil.copyfile(self.dir / "state" / "kvfs.log", kept)
+        return kept
+
     def umount(self) -> None:
         subprocess.run([*KVFS, "umount", str(self.mountpoint)], check=True, capture_output=True)
         shutil.rmtree(self.l2, ignore_errors=True)
@@ -319,7 +326,11 @@ def main() -> int:
         if "kvfs-L4" in args.arms:
             from ceph_cluster import CephCluster
 
-            ceph = CephCluster(work / "ceph", port=7490, mon_ports=(3310, 6799)).start()
+            # a full OSD blocks writes (PUTs never answer): room for every stored chunk, and the measured
+            # engine's new ones, with margin
+            stored_bytes = sum(f.stat().st_size for f in snapshot.rglob("*.kv"))
+            ceph = CephCluster(work / "ceph", port=7490, mon_ports=(3310, 6799),
+                               capacity=max(2 << 30, int(stored_bytes * 1.5))).start()
             os.environ.update(ceph.env)  # the mount finds its store the standard way
         for arm in args.arms:
             print(f"arm {arm} ...", flush=True)
@@ -351,6 +362,9 @@ def main() -> int:
                                 "io_cpus": "worker" if arm == "kvfs-zstd-bound" else "auto"}
                     results[arm] = measure(work, arm, rounds, kvfs_connector(m.mountpoint, **settings), st["pid"])
                     results[arm]["stored_ratio"] = st["compression_ratio"]
+                except BaseException:
+                    print(f"arm {arm} failed; the daemon's log: {m.keep_log(args.out.parent)}", flush=True)
+                    raise
                 finally:
                     m.umount()
             elif arm == "lmcache":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A one-host Ceph cluster for kvfs's L4 tests and benchmarks: mon, mgr, OSDs and RGW (S3 API) on 127.0.0.1.
 
-    tools/ceph_cluster.py start DIR [--osds N] [--store memstore|bluestore] [--port 7480]
+    tools/ceph_cluster.py start DIR [--osds N] [--store memstore|bluestore] [--capacity GIB] [--port 7480]
     tools/ceph_cluster.py stop DIR
 
 `start` creates a new cluster in DIR (which must be empty or absent: no state is shared between runs), waits
@@ -13,6 +13,10 @@ What makes a one-host cluster work (../shared/notes/remote.md): cephx on (with a
 fetching the mon config), one keyring with every daemon's key given to `ceph-mon --mkfs`, every path under
 DIR, pools of size N with chooseleaf type 0 (one host), small placement-group counts, the disk-space
 warning threshold low (a nearly full root disk must not block the mon).
+
+Capacity: each OSD holds `capacity` bytes (default 2 GiB; memstore keeps them in RAM as they are written).
+A full OSD does not refuse writes: Ceph blocks them, so a client sees PUTs that never answer (kvfs: EIO at
+its deadline). Size the cluster for the data a run stores (with 3-way replication each OSD holds a copy).
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ class CephError(RuntimeError):
 
 class CephCluster:
     def __init__(self, root: Path, osds: int = 1, store: str = "memstore", port: int = 7480,
-                 mon_ports: tuple[int, int] = (3300, 6789)) -> None:
+                 mon_ports: tuple[int, int] = (3300, 6789), capacity: int = 2 << 30) -> None:
         self.root = Path(root).resolve()
         self.mon_v2, self.mon_v1 = mon_ports
         self.osds = osds
         self.store = store
+        self.capacity = capacity  # bytes per OSD
         self.port = port
         self.conf = self.root / "ceph.conf"
         self.access_key = ""
@@ -136,9 +141,10 @@ class CephCluster:
     # -- steps -----------------------------------------------------------------------------------------
     def _conf_text(self, fsid: str) -> str:
         r = self.root
-        store = {"memstore": "osd_objectstore = memstore\nmemstore_device_bytes = 2147483648\n",
+        store = {"memstore": f"osd_objectstore = memstore\nmemstore_device_bytes = {self.capacity}\n",
                  "bluestore": (f"osd_objectstore = bluestore\nbluestore_block_path = {r}/osd/$cluster-$id.block\n"
-                               "bluestore_block_create = true\nbluestore_block_size = 4294967296\n"
+                               # bluestore's own metadata and WAL need room beside the data
+                               f"bluestore_block_create = true\nbluestore_block_size = {max(self.capacity, 4 << 30)}\n"
                                "bluestore_cache_size = 268435456\n")}[self.store]
         return f"""[global]
 fsid = {fsid}
@@ -298,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", type=Path)
     p.add_argument("--osds", type=int, default=1)
     p.add_argument("--store", choices=["memstore", "bluestore"], default="memstore")
+    p.add_argument("--capacity", type=float, default=2.0, metavar="GIB", help="bytes per OSD, in GiB (default 2)")
     p.add_argument("--port", type=int, default=7480)
     args = p.parse_args(argv)
-    cluster = CephCluster(args.dir, args.osds, args.store, args.port)
+    cluster = CephCluster(args.dir, args.osds, args.store, args.port, capacity=int(args.capacity * (1 << 30)))
     if args.action == "stop":
         cluster.stop()
         return 0
