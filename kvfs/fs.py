@@ -61,6 +61,8 @@ SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 # errnos that are answers, not daemon faults: passed through without a traceback
 READ_THROUGH_MAX = 64 << 20  # stored bytes; larger files from a remote tier are read frame by frame first
 EXPECTED_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}
+SELF_EXPLAINING_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}  # a failed commit's EIO is not
+WARN_EVERY_S = 60.0
 
 
 def _guard(fn):
@@ -125,6 +127,7 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.dirty_budget = DirtyBudget(config.max_dirty)
+        self._commit_warned_at = -1e9
         self._dropping: dict[int, trio.Event] = {}  # corrupt inodes being dropped
         self.started = time.monotonic()
         self.qat = None  # the QATzip codec when loaded (its mode is shown in the stats)
@@ -349,8 +352,24 @@ class Operations(pyfuse3.Operations):
         row = self.index.get(state.ino)
         if row is None or row["nlink"] == 0:
             return  # unlinked: nobody can open it again, keep its data in memory only
-        if await state.commit(durable=durable):
+        try:
+            committed = await state.commit(durable=durable)
+        except OSError as e:
+            if e.errno not in SELF_EXPLAINING_ERRNOS:
+                self._commit_failed(state.ino, e)
+            raise
+        if committed:
             await trio.to_thread.run_sync(_invalidate_attrs, state.ino)
+
+    def _commit_failed(self, ino: int, e: OSError) -> None:
+        """A writer's close() or fsync() got EIO and its data is not saved: say why, once a minute (a store that
+        stopped answering fails every commit)."""
+        now = time.monotonic()
+        if now - self._commit_warned_at > WARN_EVERY_S:
+            self._commit_warned_at = now
+            log.warning("commit of inode %d failed, the writer got %s: %s (%d failed commits so far)", ino,
+                        errno.errorcode.get(e.errno or errno.EIO, e.errno), e.strerror or e,
+                        self.counters.commit_failures)
 
     def _new_handle(self, handle: Handle) -> int:
         fh = self._next_fh

@@ -312,6 +312,39 @@ def test_hung_store_answers_eio_at_the_deadline(make_mount, ceph, tmp_path):
             time.sleep(0.5)
 
 
+def test_commit_to_a_hung_store_fails_at_the_deadline_and_says_why(make_mount, ceph, tmp_path):
+    """A file too big for L2 and L3 is committed straight to L4. The store frozen (as a full Ceph OSD blocks
+    writes): close() gets EIO at the deadline, the log says which commit failed and why, the mount stays up,
+    and the next commit after the store comes back succeeds."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text("[l4]\ndeadline_s = 2\ntimeout_s = 30\nprobe_s = 1\nbreaker_failures = 5\n")
+    m = start_with_l4(make_mount(), ceph, prefix, "--config", str(toml), l2="1M", l3="1M")
+    data = sample_bytes(170)
+    ceph.pause_rgw()
+    try:
+        t = time.monotonic()
+        with pytest.raises(OSError) as e:
+            write(m.path("big.kv"), data)
+        elapsed = time.monotonic() - t
+        assert e.value.errno == errno.EIO and 1.5 < elapsed < 6, elapsed
+    finally:
+        ceph.resume_rgw()
+    warnings = [line for line in m.log_text().splitlines() if "commit of inode" in line]
+    assert len(warnings) == 1 and "the writer got EIO" in warnings[0] and "L4 did not answer within" in warnings[0], \
+        warnings
+    assert m.stats()["commit_failures"] == 1
+    deadline = time.monotonic() + 40
+    while True:  # the breaker may hold L4 down until its next probe
+        try:
+            write(m.path("big.kv"), data)
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert tier_of(m.path("big.kv")) == "L4" and m.path("big.kv").read_bytes() == data
+
+
 @pytest.fixture(scope="module")
 def replicated_ceph(tmp_path_factory):
     """A cluster of 3 bluestore OSDs with 3-way replication, beside the session's cluster (other ports)."""
