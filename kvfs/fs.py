@@ -29,7 +29,7 @@ from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
 from .locks import InodeLocks
-from .mover import Mover
+from .mover import WARN_EVERY_S, Mover
 from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile, PublishedGone
 from .store import ObjectRef, Store
 
@@ -61,8 +61,7 @@ SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 # errnos that are answers, not daemon faults: passed through without a traceback
 READ_THROUGH_MAX = 64 << 20  # stored bytes; larger files from a remote tier are read frame by frame first
 EXPECTED_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}
-SELF_EXPLAINING_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}  # a failed commit's EIO is not
-WARN_EVERY_S = 60.0
+SELF_EXPLAINING_ERRNOS = EXPECTED_ERRNOS - {errno.EIO}  # a failed commit's EIO does not say why: the log does
 
 
 def _guard(fn):

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from ceph_cluster import BUCKET, CephCluster  # noqa: E402
 
 from kvfs import client, direct  # noqa: E402
+from kvfs.index import parse_object_id  # noqa: E402
 
 THREADS = 4
 POLL_S = 0.02
@@ -184,7 +185,7 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
     keys = [k for k, _ in l4_objects(s3, prefix)]
     get_s, put_s, raw_bytes = raw_get_put(s3, keys, f"{prefix}-raw")
     assert raw_bytes == stored and len(keys) == len(files)
-    key_of = {int(k.rpartition("/")[2].partition("-")[0], 16): k for k in keys}
+    key_of = {parse_object_id(k.rpartition("/")[2])[0]: k for k in keys}
     parts = {"read": names[0::3], "direct": names[1::3], "prefetch": names[2::3]}
     raw_part = {how: raw_get(s3, [key_of[inos[n]] for n in part]) for how, part in parts.items()}
 
