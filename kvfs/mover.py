@@ -79,6 +79,7 @@ class Mover:
         self._promotions: dict[int, None] = {}  # queued, in order
         self._draining: set[str] = set()
         self._moving = 0  # moves past their checks, not yet finished
+        self._last_move_at: float | None = None  # wall clock: when a move last finished (None: none yet)
         self._deleting = 0  # sources of finished moves being deleted in the background (remote tiers)
         self._background: trio.Nursery | None = None
         self._doomed: dict[str, list[str]] = {}  # remote tier → ids of moved objects waiting for deletion
@@ -143,6 +144,7 @@ class Mover:
             "promotions_queued": len(self._promotions),
             "moves_in_flight": self._moving,
             "deletions_in_flight": self._deleting,
+            "last_move_unix": self._last_move_at,
             "pin_limit_bytes": self.pin_limit(),
         }
 
@@ -442,6 +444,7 @@ class Mover:
                         dest.name, e, self.counters.move_failures)
 
     def _count_move(self, ref: ObjectRef, dest: Tier) -> None:
+        self._last_move_at = time.time()
         source = self.store.tiers[ref.tier]
         if self.order.index(dest) > self.order.index(source):
             c = self.counters.tier(source.name)

@@ -181,6 +181,7 @@ def test_open_reader_survives_moves(make_mount):
 # -- promotion ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("policy,reads_to_promote", [("always", 1), ("3", 3), ("never", None)])
 def test_promotion_policy(make_mount, policy, reads_to_promote):
+    started = time.time()
     m = start_tiered(make_mount(), "64M", "64M", "--promote", policy)
     f = m.path("f.kv")
     data = content("f", 2 * MiB)
@@ -200,6 +201,11 @@ def test_promotion_policy(make_mount, policy, reads_to_promote):
     l2, l3 = stats["tiers"]["L2"], stats["tiers"]["L3"]
     assert l3["hits"] == (reads_to_promote or 4)
     assert l2["promoted_files"] == (1 if reads_to_promote else 0)
+    moved_at = stats["mover"]["last_move_unix"]  # the promotion's (fsync writes to L3 itself: not a move)
+    if reads_to_promote is None:
+        assert moved_at is None
+    else:
+        assert started < moved_at <= time.time(), (started, moved_at)
     assert read_uncached(f) == data
     assert m.stats()["tiers"]["L2"]["hits"] == (1 if reads_to_promote else 0)
     m.check_accounting()

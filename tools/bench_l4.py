@@ -6,16 +6,22 @@ Per round, on real KV files (tests/data/kv, or --data DIR of .kv files), with fr
   demotion   files written and fsync'ed into a roomy L3 are remounted with an L3 of 1 MiB: the mover demotes all
              of them to L4 (4 moves in flight). Rate = stored bytes / (mount live → L4 holds them all).
   raw PUT    the same objects' bytes PUT by boto3 under another prefix, 4 threads (the mover's concurrency).
-  promotion  a third of the files: one byte of each read through the mount by THREADS readers (promote
-             always: the first read promotes the file: one whole-object GET, then served from L2); a third
-             read whole by THREADS kvfs.direct readers, as the connector reads (locating a file promotes it,
-             then its L2 object is read past FUSE); a third prefetched (kvfs.client.prefetch, the hot/cold
+  promotion  after one untimed promotion (a long-running daemon's L4 client is warm: connections, botocore's
+             models), a third of the other files: one byte of each read through the mount by THREADS readers
+             (promote always: the first read promotes the file: one whole-object GET, then served from L2); a
+             third read whole by THREADS kvfs.direct readers, as the connector reads (locating a file promotes
+             it, then its L2 object is read past FUSE); a third prefetched (kvfs.client.prefetch, the hot/cold
              API: the mover promotes them, MOVES_IN_FLIGHT at a time, no reader waiting): rate = stored bytes /
-             (first read or prefetch → all on L2). The deletions of the L4 copies (background, held back
+             (first read or prefetch → all on L2: the mover's last_move_unix, or the readers' return if later).
+             L2 is a tmpfs directory (--shm), as deployed. The deletions of the L4 copies (background, held back
              while moves run) finish before the next part starts. Then every file is read whole and checked.
   raw GET    the same objects fetched whole by boto3, 4 threads: all of them, and each promotion part's own
              objects alone (the same bytes as that part moved, with the same tail of its last files in flight:
              the promotion ratios are against these).
+  CPU        per promotion part and its raw GET, the CPU seconds of the mover side (the kvfs daemon and this
+             process's readers, or this process's boto3 threads) and of the store (RGW, OSD, mon, mgr; for a
+             part, also the batched DELETEs of the moved objects' L4 copies that start as its moves end): on a
+             small machine both sides share the cores, so the mover side's cost per MB is what sets the ratio.
   cold read  open+read+close latency of one file (p50 over the files) from L2, L3 (its object dropped from
              the page cache) and L4 (promote never), the mount's page cache dropped before each read.
 
@@ -29,6 +35,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +51,7 @@ from kvfs import client, direct  # noqa: E402
 from kvfs.index import parse_object_id  # noqa: E402
 
 THREADS = 4
-POLL_S = 0.02
+POLL_S = 0.1  # how often a wait reads .kvfs/stats; the moves' end is the mover's last_move_unix, not the poll's
 SETTLE_S = 1.0
 
 
@@ -65,7 +72,7 @@ class Mount:
             if self.proc.poll() is not None:
                 raise SystemExit(f"kvfs failed to mount; see {log.name}")
             time.sleep(0.01)
-        return time.monotonic()
+        return time.time()  # wall clock, as the mover's last_move_unix
 
     def stop(self) -> None:
         subprocess.run(["fusermount3", "-u", str(self.mountpoint)], check=True)
@@ -116,6 +123,33 @@ def direct_read(path: Path) -> int:
     return len(data)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds the mover side (`pids`) and the store (the cluster's daemons) spend inside a `with`."""
+
+    def __init__(self, cluster: CephCluster, *pids: int) -> None:
+        self.sides = {"mover": list(pids), "store": cluster.pids()}
+        self.used: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        return {side: sum(map(cpu_s, pids)) for side, pids in self.sides.items()}
+
+    def __enter__(self) -> "CpuMeter":
+        self._start = self._now()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.used = {side: t - self._start[side] for side, t in self._now().items()}
+
+
 def wait_until(mount: Mount, done) -> tuple[float, dict]:
     while True:
         st = mount.stats()
@@ -152,11 +186,12 @@ def raw_get_put(s3, keys: list[str], prefix: str) -> tuple[float, float, int]:
     return get_s, put_s, sum(map(len, bodies))
 
 
-def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3) -> dict:
+def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, shm: Path, s3) -> dict:
     env = cluster.env
+    l2 = shm / f"r{rnd}-l2"  # L2 is DRAM: a tmpfs directory, as deployed (a page cache on disk costs 2-3x the CPU)
     names = [f"f{i:03d}.kv" for i in range(len(files))]
     prefix = f"bench-{os.getpid()}-{rnd}"
-    roomy = ["--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:4G"]
+    roomy = ["--l2", f"{l2}:2G", "--l3", f"{base / f'r{rnd}-l3'}:4G"]
     m = Mount(base, f"r{rnd}", env, "--l4", f"s3://{BUCKET}/{prefix}", "--promote", "never")
     m.start(*roomy)
     for name, data in zip(names, files):
@@ -174,9 +209,9 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
     m.stop()
 
     # demotion: the same mount with a 1 MiB L3 drains everything to L4
-    live = m.start("--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M")
-    t_done, st = wait_until(m, lambda s: s["tiers"]["L4"]["files"] == len(files) and not s["mover"]["backlog_bytes"])
-    demote_s = t_done - live
+    live = m.start("--l2", f"{l2}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M")
+    _, st = wait_until(m, lambda s: s["tiers"]["L4"]["files"] == len(files) and not s["mover"]["backlog_bytes"])
+    demote_s = st["mover"]["last_move_unix"] - live
     assert st["tiers"]["L4"]["used_bytes"] == stored, (st["tiers"]["L4"], stored)
     inos = {n: os.stat(m.mountpoint / n).st_ino for n in names}  # an object's key ends in <ino hex>-<gen>
     cold["L4"] = [read_checked(m.mountpoint / n, d) for n, d in zip(names, files)]
@@ -186,28 +221,40 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
     get_s, put_s, raw_bytes = raw_get_put(s3, keys, f"{prefix}-raw")
     assert raw_bytes == stored and len(keys) == len(files)
     key_of = {parse_object_id(k.rpartition("/")[2])[0]: k for k in keys}
-    parts = {"read": names[0::3], "direct": names[1::3], "prefetch": names[2::3]}
-    raw_part = {how: raw_get(s3, [key_of[inos[n]] for n in part]) for how, part in parts.items()}
+    warm, measured = names[0], names[1:]  # the first promotion of a mount sets up its L4 client: not timed
+    parts = {"read": measured[0::3], "direct": measured[1::3], "prefetch": measured[2::3]}
+    raw_part, cpu = {}, {}
+    for how, part in parts.items():
+        with CpuMeter(cluster, os.getpid()) as meter:
+            raw_part[how] = raw_get(s3, [key_of[inos[n]] for n in part])
+        cpu[f"raw {how}"] = meter.used
 
     # promotion: read each file once with promotion on
-    m.start("--l2", f"{base / f'r{rnd}-l2'}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
+    m.start("--l2", f"{l2}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
     time.sleep(SETTLE_S)  # the new mount's start-up work (its first mover pass, reconcile) is not a promotion
+    first_byte(m.mountpoint / warm)  # a long-running daemon's client is warm (connections, botocore's models)
+    wait_until(m, lambda s: not s["mover"]["moves_in_flight"] and not s["mover"]["deletions_in_flight"])
     promote_s, t0 = {}, time.monotonic()
     for how, reader in (("read", first_byte), ("direct", direct_read), ("prefetch", None)):
-        start, want = time.monotonic(), m.stats()["tiers"]["L2"]["files"] + len(parts[how])
-        if reader is None:
-            client.prefetch([m.mountpoint / n for n in parts[how]])  # returns at once; the mover promotes
-        else:
-            with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # THREADS readers: a file's first
-                list(pool.map(reader, (m.mountpoint / n for n in parts[how])))  # read promotes it
-        t_done, _ = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == want and not s["mover"]["moves_in_flight"])
-        promote_s[how] = t_done - start
+        want = m.stats()["tiers"]["L2"]["files"] + len(parts[how])
+        with CpuMeter(cluster, m.proc.pid, os.getpid()) as meter:
+            start = time.time()
+            if reader is None:
+                client.prefetch([m.mountpoint / n for n in parts[how]])  # returns at once; the mover promotes
+            else:
+                with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # THREADS readers: a file's first
+                    list(pool.map(reader, (m.mountpoint / n for n in parts[how])))  # read promotes it
+            readers_done = time.time()
+            _, st = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == want and not s["mover"]["moves_in_flight"])
+        cpu[how] = meter.used
+        promote_s[how] = max(st["mover"]["last_move_unix"], readers_done) - start
         wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])  # the next part starts on a quiet store
     t_clean, st = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
     cleaned_s = t_clean - t0
     for name, data in zip(names, files):
         read_checked(m.mountpoint / name, data)
     m.stop()
+    shutil.rmtree(l2)
     mb = stored / 1e6
     by_part = {how: raw_part[how][1] / 1e6 for how in parts}  # stored MB each
     raw_mbps = {how: by_part[how] / raw_part[how][0] for how in parts}
@@ -223,6 +270,11 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, s3
             "promotion_direct_vs_get": raw_part["direct"][0] / promote_s["direct"],
             "promotion_prefetch_vs_get": raw_part["prefetch"][0] / promote_s["prefetch"],
             "promotion_vs_get_all": by_part["read"] / promote_s["read"] / (mb / get_s),
+            "cpu_ms_per_MB": {part: {side: 1e3 * t / by_part[part.split()[-1]] for side, t in used.items()}
+                              for part, used in cpu.items()},
+            "cores_busy": {part: sum(used.values()) / (promote_s[part] if part in promote_s
+                                                        else raw_part[part.split()[-1]][0])
+                           for part, used in cpu.items()},
             "cold_read_ms_p50": {t: statistics.median(v) * 1e3 for t, v in cold.items()}}
 
 
@@ -257,6 +309,17 @@ def report(rounds: list[dict], args) -> dict:
           f"it: {summary['promotion_vs_get_all']:.2f})")
     print(f"promotion until the L4 copies are deleted too (background DELETEs): "
           f"{summary['promotion_with_deletes_MBps']:.1f} MB/s")
+    cpu = {part: {side: statistics.median(r["cpu_ms_per_MB"][part][side] for r in rounds)
+                  for side in ("mover", "store")} for part in r0["cpu_ms_per_MB"]}
+    busy = {part: statistics.median(r["cores_busy"][part] for r in rounds) for part in r0["cores_busy"]}
+    summary["cpu_ms_per_MB"], summary["cores_busy"] = cpu, busy
+    print(f"CPU ms per stored MB (mover side: kvfs daemon + readers / boto3; store: RGW, OSD, mon, mgr), "
+          f"and cores busy of {os.cpu_count()}:")
+    print(f"{'part':<14}{'kvfs':>8}{'boto3':>8}{'store':>8}{'store raw':>11}{'cores':>7}{'cores raw':>11}")
+    for how in ("read", "direct", "prefetch"):
+        ours, theirs = cpu[how], cpu[f"raw {how}"]
+        print(f"{'promo ' + how:<14}{ours['mover']:>8.2f}{theirs['mover']:>8.2f}{ours['store']:>8.2f}"
+              f"{theirs['store']:>11.2f}{busy[how]:>7.2f}{busy[f'raw {how}']:>11.2f}")
     size = r0["logical_bytes"] / r0["files"] / 1e6
     print(f"cold read of one {size:.1f} MB file, p50 ms: " +
           "  ".join(f"{t} {v:.1f}" for t, v in summary["cold_read_ms_p50"].items()))
@@ -269,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--data", type=Path, default=REPO / "tests" / "data" / "kv")
     p.add_argument("--store", choices=["memstore", "bluestore"], default="memstore")
+    p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs for the L2 directories")
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_l4.json")
     args = p.parse_args(argv)
-    files = kv_files(args.data, args.files)
-    with tempfile.TemporaryDirectory(prefix="kvfs-bench-l4-") as tmp:
+    files = kv_files(args.data, args.files + 1)  # + the warm-up file
+    with tempfile.TemporaryDirectory(prefix="kvfs-bench-l4-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="kvfs-bench-l4-l2-", dir=args.shm) as shm:
         base = Path(tmp)
         # beside a test cluster; room for every round's objects and raw copies (a full OSD blocks writes)
         capacity = max(2 << 30, 3 * args.rounds * sum(map(len, files)))
@@ -288,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                               config=Config(s3={"addressing_style": "path"}, max_pool_connections=16))
             rounds = []
             for r in range(args.rounds):
-                rounds.append(one_round(r, files, cluster, base, s3))
+                rounds.append(one_round(r, files, cluster, base, Path(shm), s3))
                 print(f"round {r}: demotion {rounds[-1]['demotion_vs_put']:.2f}x raw PUT, promotion "
                       f"{rounds[-1]['promotion_vs_get']:.2f}x / {rounds[-1]['promotion_direct_vs_get']:.2f}x / "
                       f"{rounds[-1]['promotion_prefetch_vs_get']:.2f}x raw GET (mount reads / kvfs.direct / "

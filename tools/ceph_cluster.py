@@ -107,6 +107,10 @@ class CephCluster:
                 time.sleep(0.1)
             _kill(pidfile, signal.SIGKILL)
 
+    def pids(self) -> list[int]:
+        """The running daemons' pids (mon, mgr, OSDs, RGW)."""
+        return [pid for pid in map(_pid, (self.root / "run").glob("*.pid")) if pid is not None]
+
     def stop_rgw(self) -> None:
         pidfile = self.root / "run" / "client.rgw.a.pid"
         _kill(pidfile, signal.SIGKILL)
