@@ -29,7 +29,8 @@ from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
 from .locks import InodeLocks
-from .mover import WARN_EVERY_S, Mover
+from .ratelimit import Throttle
+from .mover import Mover
 from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile, PublishedGone
 from .store import ObjectRef, Store
 
@@ -126,7 +127,7 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.dirty_budget = DirtyBudget(config.max_dirty)
-        self._commit_warned_at = -1e9
+        self._commit_failure_log = Throttle()
         self._dropping: dict[int, trio.Event] = {}  # corrupt inodes being dropped
         self.started = time.monotonic()
         self.qat = None  # the QATzip codec when loaded (its mode is shown in the stats)
@@ -363,9 +364,7 @@ class Operations(pyfuse3.Operations):
     def _commit_failed(self, ino: int, e: OSError) -> None:
         """A writer's close() or fsync() got EIO and its data is not saved: say why, once a minute (a store that
         stopped answering fails every commit)."""
-        now = time.monotonic()
-        if now - self._commit_warned_at > WARN_EVERY_S:
-            self._commit_warned_at = now
+        if self._commit_failure_log.due():
             log.warning("commit of inode %d failed, the writer got %s: %s (%d failed commits so far)", ino,
                         errno.errorcode.get(e.errno or errno.EIO, e.errno), e.strerror or e,
                         self.counters.commit_failures)

@@ -40,6 +40,7 @@ import trio
 from .config import PromotionPolicy, TierConfig
 from .index import Index, object_id
 from .locks import InodeLocks
+from .ratelimit import Throttle
 from .stats import Counters
 from .store import ObjectRef, Store, credit_for
 from .tiers import Tier
@@ -55,7 +56,6 @@ MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
 IDLE_SWEEP_S = 1.0  # the idle policy looks for idle files this often
 LOG_MOVES_EVERY_S = 10.0  # moves out of a tier are logged as one summary line at most this often
-WARN_EVERY_S = 60.0
 
 
 class Mover:
@@ -87,7 +87,7 @@ class Mover:
         self._conflicts: set[int] = set()  # files a shared L4 will not take (name published by another node)
         self.write_through = False  # publish every committed file to the shared L4 once it has settled
         self._settling: dict[int, float] = {}  # ino → when it may be published (write policy through)
-        self._warned_at = -1e9
+        self._failure_log = Throttle()  # a full disk fails every move: say it once a minute
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.open_file: Callable[[int], object | None] = lambda ino: None
         self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
@@ -437,9 +437,7 @@ class Mover:
 
     def _move_failed(self, ino: int, ref: ObjectRef, dest: Tier, e: Exception) -> None:
         self.counters.move_failures += 1
-        now = time.monotonic()
-        if now - self._warned_at > WARN_EVERY_S:  # a full disk fails every move: say it once a minute
-            self._warned_at = now
+        if self._failure_log.due():
             log.warning("moving inode %d from %s to %s failed: %s (%d failed moves so far)", ino, ref.tier,
                         dest.name, e, self.counters.move_failures)
 

@@ -28,6 +28,7 @@ from .codecs import transforms
 from . import lossy as lossy_modes
 from .codecs.entropy import EntropyCodec, stride_from_shape
 from .index import Index
+from .ratelimit import Throttle
 from .store import Layout, ObjectRef, Store
 
 log = logging.getLogger(__name__)
@@ -81,13 +82,11 @@ class DirtyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._warned_at = -1e9
+        self._full_log = Throttle()
 
     def charge(self, nbytes: int) -> None:
         if self.used + nbytes > self.limit:
-            now = time.monotonic()
-            if now - self._warned_at > 60:
-                self._warned_at = now
+            if self._full_log.due():
                 log.warning("unsaved data reached the dirty limit (%d MiB): writes get ENOSPC until files are "
                             "closed (raise mount.max_dirty to allow more)", self.limit >> 20)
             raise OSError(errno.ENOSPC, "dirty data limit reached")
