@@ -29,9 +29,9 @@ from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index
 from .locks import InodeLocks
-from .ratelimit import Throttle
 from .mover import Mover
 from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile, PublishedGone
+from .ratelimit import Throttle
 from .store import ObjectRef, Store
 
 log = logging.getLogger(__name__)

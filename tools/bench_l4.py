@@ -236,11 +236,11 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
     key_of = {parse_object_id(k.rpartition("/")[2])[0]: k for k in keys}
     warm, measured = names[0], names[1:]  # the first promotion of a mount sets up its L4 client: not timed
     parts = {"read": measured[0::3], "direct": measured[1::3], "prefetch": measured[2::3]}
-    raw_part, cpu = {}, {}
+    raw_part, cpu, wall = {}, {}, {}  # cpu and wall by part: "read", …, and "raw read", …
     for how, part in parts.items():
         with CpuMeter(cluster, os.getpid()) as meter:
             raw_part[how] = raw_get(s3, [key_of[inos[n]] for n in part])
-        cpu[f"raw {how}"] = meter.used
+        cpu[f"raw {how}"], wall[f"raw {how}"] = meter.used, raw_part[how][0]
 
     # promotion: read each file once with promotion on
     m.start("--l2", f"{l2}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
@@ -259,8 +259,8 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
                     list(pool.map(reader, (m.mountpoint / n for n in parts[how])))  # read promotes it
             readers_done = time.time()
             _, st = wait_until(m, lambda s: s["tiers"]["L2"]["files"] == want and not s["mover"]["moves_in_flight"])
-        cpu[how] = meter.used
         promote_s[how] = max(st["mover"]["last_move_unix"], readers_done) - start
+        cpu[how], wall[how] = meter.used, promote_s[how]
         wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])  # the next part starts on a quiet store
     t_clean, st = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
     cleaned_s = t_clean - t0
@@ -285,9 +285,7 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
             "promotion_vs_get_all": by_part["read"] / promote_s["read"] / (mb / get_s),
             "cpu_ms_per_MB": {part: {side: 1e3 * t / by_part[part.split()[-1]] for side, t in used.items()}
                               for part, used in cpu.items()},
-            "cores_busy": {part: sum(used.values()) / (promote_s[part] if part in promote_s
-                                                        else raw_part[part.split()[-1]][0])
-                           for part, used in cpu.items()},
+            "cores_busy": {part: sum(used.values()) / wall[part] for part, used in cpu.items()},
             "cold_read_ms_p50": {t: statistics.median(v) * 1e3 for t, v in cold.items()}}
 
 
@@ -337,7 +335,8 @@ def report(rounds: list[dict], args) -> dict:
     size = r0["logical_bytes"] / r0["files"] / 1e6
     print(f"cold read of one {size:.1f} MB file, p50 ms: " +
           "  ".join(f"{t} {v:.1f}" for t, v in summary["cold_read_ms_p50"].items()))
-    return {"benchmark": "l4", "store": args.store, "split_cores": args.split_cores, "threads": THREADS, "rounds": rounds, "summary": summary}
+    return {"benchmark": "l4", "store": args.store, "split_cores": args.split_cores, "threads": THREADS,
+            "rounds": rounds, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the store on CPU 0, the mover side on the other CPUs (as with a remote store)")
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_l4.json")
     args = p.parse_args(argv)
+    if args.split_cores and (os.cpu_count() or 1) < 2:
+        raise SystemExit("--split-cores needs 2 CPUs or more")
     files = kv_files(args.data, args.files + 1)  # + the warm-up file
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-l4-") as tmp, \
             tempfile.TemporaryDirectory(prefix="kvfs-bench-l4-l2-", dir=args.shm) as shm:
@@ -359,12 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         capacity = max(2 << 30, 3 * args.rounds * sum(map(len, files)))
         cluster = CephCluster(base / "ceph", store=args.store, port=7490, mon_ports=(3310, 6799), capacity=capacity)
         cluster.start()
-        if args.split_cores:
-            if (os.cpu_count() or 1) < 2:
-                raise SystemExit("--split-cores needs 2 CPUs or more")
-            pin(cluster.pids(), {0})
-            os.sched_setaffinity(0, set(range(1, os.cpu_count())))  # boto3's threads and each mount inherit it
         try:
+            if args.split_cores:
+                pin(cluster.pids(), {0})
+                os.sched_setaffinity(0, set(range(1, os.cpu_count())))  # boto3's threads and each mount inherit it
             import boto3
             from botocore.config import Config
 
