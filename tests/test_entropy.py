@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def special_floats(dtype: str, n: int) -> bytes:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_nan_inf_zero_patterns(dtype):
-    for n in (1, 5, 4095, 4096, 4099, 100_003):
+    for n in (1, 5, 4095, 4096, 4099, 32_768, 32_769, 100_003, 700_001):
         data = special_floats(dtype, n)
         if entropy.encode(data) is not None:
             round_trip(data)
@@ -70,7 +71,8 @@ def test_nan_inf_zero_patterns(dtype):
         assert bytes(fmt.decode_frame(frame.entry_at(0), frame.payload)) == data
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 15, 16, 17, 63, 8191, 8192, 8193, 1 << 20, (1 << 20) + 1])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 15, 16, 17, 63, 8191, 8192, 8193, 65_535, 65_536, 65_537, 65_538 + 130,
+                               1 << 20, (1 << 20) + 1])
 def test_tiny_odd_and_frame_sized_lengths(n):
     rng = np.random.default_rng(n)
     narrow = (rng.integers(0x3C00, 0x3C40, size=(n + 1) // 2, dtype=np.uint16)).tobytes()[:n]
@@ -211,7 +213,7 @@ def test_every_codec_round_trips_special_data(codec, transform):
         assert len(frame.payload) <= len(data)
 
 
-KERNEL_SOURCE = Path(entropy.__file__).with_name("_entropy.c")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def connector_chunk(block: bytes) -> tuple[bytes, bytes]:
@@ -222,23 +224,86 @@ def connector_chunk(block: bytes) -> tuple[bytes, bytes]:
     return to_chunk(block), chunk_hint(BLOCK).encode()
 
 
-def test_stride_1_codes_the_signs_and_other_strides_keep_version_1():
-    """Version 2 (signs coded from the channel's previous signs, low bits packed) for stride 1; it is what
-    takes real bf16 blocks below 0.66 (version 1 stored them at 0.664)."""
+def test_versions_written_by_frame_size_and_stride():
+    """Frames of 64 KiB and more: version 3 (block classes, huff0) whatever the stride, below 0.66 on real bf16
+    blocks. Smaller frames: version 2 (signs coded) for stride 1, version 1 otherwise."""
     frame = kv_samples("bf16")[0].read_bytes()[:1 << 20]
-    v2, v1 = round_trip(frame, 1), round_trip(frame, 64)
-    assert v2[0] == 2 and v1[0] == 1
-    assert len(v2) / len(frame) < 0.66 < len(v1) / len(frame)
+    for stride in (1, 64):
+        v3 = round_trip(frame, stride)
+        assert v3[0] == 3 and len(v3) / len(frame) < 0.66
+    small = frame[:65_534]
+    assert round_trip(small, 1)[0] == 2 and round_trip(small, 64)[0] == 1
+    assert round_trip(frame[:65_536], 1)[0] == 3
+
+
+def test_version_3_sections_hold_many_pieces():
+    """A frame larger than kvfs's 1 MiB: one class and the sign plane run past huff0's 128 KiB per piece."""
+    rng = np.random.default_rng(3)
+    x = (rng.normal(0, 1, size=1_500_001).astype(np.float32).view("<u4") >> 16).astype("<u2")
+    data = x.tobytes() + b"\x5a"
+    payload = round_trip(data)
+    assert payload[0] == 3
+    wide = (rng.normal(0, 1, size=600_000).astype(np.float32) * np.repeat(rng.choice([1e-3, 1, 1e3], 600_000 // 64), 64))
+    assert round_trip((wide.view("<u4") >> 16).astype("<u2").tobytes())[0] == 3
+
+
+@st.composite
+def v3_frames(draw):
+    """Frames large enough for version 3: real-looking floats with a drawn spread of magnitudes, specials,
+    runs of one value, odd lengths."""
+    seed, n = draw(st.integers(0, 2**32 - 1)), draw(st.integers(32_768, 200_000))
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.normal(0, draw(st.floats(0, 8)), size=n // 64 + 1)).repeat(64)[:n]
+    x = (rng.normal(0, 1, size=n) * scale).astype(np.float32).view("<u4") >> 16
+    if draw(st.booleans()):
+        x[rng.integers(0, n, size=n // 10)] = rng.choice([0x7F80, 0xFF80, 0x7FC0, 0, 0x8000, 0x0001], size=n // 10)
+    if draw(st.booleans()):
+        a = rng.integers(0, n)
+        x[a:a + draw(st.integers(1, 70_000))] = draw(st.integers(0, 0xFFFF))
+    return x.astype("<u2").tobytes() + draw(st.binary(max_size=1))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=v3_frames())
+def test_property_version_3_round_trip_or_not_smaller(data):
+    payload = entropy.encode(data)
+    if payload is None:
+        return
+    assert payload[0] == 3 and len(payload) < len(data)
+    out = bytearray(len(data))
+    entropy.decode_into(payload, out)
+    assert bytes(out) == data
+
+
+def test_version_3_rejects_every_truncation_and_header_change():
+    data = kv_samples("bf16")[0].read_bytes()[:1 << 17]
+    payload = entropy.encode(data)
+    assert payload[0] == 3
+    out = bytearray(len(data))
+    for cut in list(range(0, 64)) + list(range(64, len(payload), 997)) + [len(payload) - 1]:
+        with pytest.raises(codecs.CodecError):
+            entropy.decode_into(payload[:cut], out)
+    with pytest.raises(codecs.CodecError):
+        entropy.decode_into(payload + b"\0", out)
+    for pos in range(16):
+        bad = bytearray(payload)
+        bad[pos] ^= 0x04
+        try:
+            entropy.decode_into(bytes(bad), out)
+        except codecs.CodecError:
+            continue
+        raise AssertionError(f"header byte {pos} changed and still decoded")
 
 
 def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
-    """The kernel built without SIMD (as on a machine without SSE2) writes byte-identical payloads and
-    decodes what the SIMD build wrote, and the other way round."""
+    """The kernel built without SIMD and without huff0's assembly (as on a machine without SSE2, or not
+    x86-64) writes byte-identical payloads and decodes what the SIMD build wrote, and the other way round."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler, "a C compiler builds the kernel; it must be here"
+    c_sources = runpy.run_path(str(ROOT / "kvfs/codecs/kernel_sources.py"))["C_SOURCES"]
     portable = tmp_path / "portable.so"
-    subprocess.run([compiler, "-O2", "-std=c11", "-DKVEC_NO_SIMD", "-shared", "-fPIC", str(KERNEL_SOURCE),
-                    "-o", str(portable)], check=True)
+    subprocess.run([compiler, "-O2", "-std=c11", "-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM", "-shared", "-fPIC",
+                    *[str(ROOT / src) for src in c_sources], "-o", str(portable)], check=True)
     libs = [entropy._lib, ctypes.CDLL(str(portable))]
     for lib in libs[1:]:
         lib.kvec_encode.restype = ctypes.c_int64
@@ -246,7 +311,8 @@ def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
         lib.kvec_decode.argtypes = entropy._lib.kvec_decode.argtypes
     block = kv_samples("bf16")[0].read_bytes()
     datasets = [block[:1 << 20], connector_chunk(block)[0][:(1 << 20) + 3], kv_samples("fp16")[0].read_bytes()[:99_999],
-                special_floats("bf16", 4099), special_floats("fp16", 17), bytes(33)]
+                kv_samples("fp16")[0].read_bytes()[:60_001], special_floats("bf16", 40_099),
+                special_floats("fp16", 17), bytes(33), bytes(70_000)]
     for data in datasets:
         for stride in (1, 64):
             src = np.frombuffer(data, dtype=np.uint8)
@@ -288,6 +354,19 @@ def test_version_1_payloads_still_decode():
     payload = (Path(__file__).parent / "data" / "entropy-v1-stride1.payload").read_bytes()
     data = (Path(__file__).parent / "data" / "kv" / "bf16-prose-0004.kv").read_bytes()[:65_539]
     assert payload[0] == 1 and payload[3] == 4  # version 1, 4 streams: the fast 4-stream loop runs
+    out = bytearray(len(data))
+    entropy.decode_into(payload, out)
+    assert bytes(out) == data
+
+
+def test_version_2_payloads_still_decode():
+    """A 64 KiB-ish frame as version 2 wrote it (stride 1, signs coded) before version 3 took over frames of
+    64 KiB and more: files written by earlier kvfs releases stay readable.
+    tests/data/entropy-v2-stride1.payload = the first 65,539 bytes of bf16-prose-0004.kv, encoded by that
+    version."""
+    payload = (Path(__file__).parent / "data" / "entropy-v2-stride1.payload").read_bytes()
+    data = (Path(__file__).parent / "data" / "kv" / "bf16-prose-0004.kv").read_bytes()[:65_539]
+    assert payload[0] == 2 and payload[3] == 4
     out = bytearray(len(data))
     entropy.decode_into(payload, out)
     assert bytes(out) == data

@@ -11,7 +11,9 @@
  * bits per sign on real KV), in streams of their own, and packs the 7 low bits 16 elements to 14 bytes.
  * Its context sum is a moving average, S <- S - S/4 + (sum of the group's 4 values): as sharp as the
  * 16-value window (2.53 bits per exponent on real KV either way), and it needs no decoded history.
- * The byte-level format is docs/format.md ("codec 4"); keep the two in step.
+ * Frames of KV3_MIN_BYTES and more are written as version 3 (_classes.c: block classes coded by zstd's
+ * huff0, 2-3x faster both ways at the same ratio); this file writes versions 1-2 for smaller frames and
+ * reads all three. The byte-level format is docs/format.md ("codec 4"); keep the two in step.
  *
  * Safety: kvec_decode never reads or writes out of bounds on any input (every field is checked, every
  * stream is padded and its bit position bounded); it returns a negative code on any inconsistency.
@@ -20,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_classes.h"
 
 #define VERSION_R 1      /* r stored raw */
 #define VERSION_SIGNS 2  /* signs coded, low bits packed (stride 1 only) */
@@ -461,6 +465,7 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
 int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_log, uint8_t *dst, size_t cap) {
     if (stride < 1 || stride > MAX_STRIDE || window_log < 2 || window_log > 5 || n_bytes / 2 > 0xFFFFFFFFu)
         return KVEC_ERR_ARGS;
+    if (n_bytes >= KV3_MIN_BYTES) return kv3_encode(src, n_bytes, dst, cap);
     params_t p = {0};
     p.n = n_bytes / 2;
     p.version = stride == 1 ? VERSION_SIGNS : VERSION_R;
@@ -805,6 +810,7 @@ static void join_signs(const uint8_t *restrict e, const uint8_t *restrict q, con
 
 /* Decode src (src_len bytes) into dst, which must be exactly n_bytes long. 0, or a negative code. */
 int kvec_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes) {
+    if (src_len > 0 && src[0] == KV3_VERSION) return kv3_decode(src, src_len, dst, n_bytes);
     if (src_len < FIXED + PAD) return KVEC_ERR_FORMAT;
     params_t p = {0};
     p.version = src[0];

@@ -1,0 +1,371 @@
+/* Codec 4, version 3 ("block classes"): 16-bit floats with the exponent bytes Huffman-coded by zstd's huff0.
+ *
+ * Each element x splits as in versions 1-2: e = (x >> 7) & 0xFF, sign = x >> 15, low = x & 0x7F. The frame's
+ * elements form blocks of 64; each block gets a *class*, the rounded mean of its own exponents (in half
+ * steps for bf16, whole steps when the means spread too far, as fp16's do), and the exponents of all blocks
+ * of one class are coded together with one order-0 Huffman table. The class sequence is sent (as deltas,
+ * ~0.3% of the raw size), so the decoder knows every table before it decodes a symbol: nothing depends on
+ * earlier decoded values, and the symbol loop is huff0's 4-stream decoder (~1 cycle per symbol). Versions
+ * 1-2 chose tables from the running mean of decoded exponents, which put a table lookup and the context
+ * arithmetic on one serial chain (4.4 cycles per element). The class is the block's own mean, not an
+ * estimate from the past, so the tables are as sharp: real bf16 KV stores at the same 0.656.
+ *
+ * Signs are packed 8 per byte and that plane is huff0-coded too (a channel's signs persist, so whole bytes
+ * repeat in channel-major data); the 7 low bits are packed 16 elements to 14 bytes as in version 2.
+ * Byte-level format: docs/format.md ("codec 4", version 3).
+ *
+ * Safety: kv3_decode checks every size before it reads or writes; huff0's decoder is bounds-checked (it is
+ * zstd's, fuzzed as part of zstd). Any inconsistency returns a negative code.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HUF_STATIC_LINKING_ONLY
+#include "huf0/common/huf.h"
+#include "huf0/common/cpu.h"
+#include "huf0/common/error_private.h"
+
+#include "_classes.h"
+
+#if defined(__SSE2__) && !defined(KVEC_NO_SIMD)
+#include <emmintrin.h>
+#define KV3_SIMD 1
+#endif
+
+#define V3_HEADER 16
+#define BLOCK 64                  /* elements per class block */
+#define GROUP 16                  /* packed low bits: 16 elements -> 14 bytes */
+#define PIECE HUF_BLOCKSIZE_MAX   /* huff0 codes at most 128 KiB at a time */
+#define MODE_RAW 0
+#define MODE_RLE 1
+#define MODE_HUF 2
+
+enum { ERR_CAPACITY = -1, ERR_FORMAT = -2, ERR_STREAM = -3, ERR_NOMEM = -5 };
+
+typedef uint16_t u16u __attribute__((aligned(1), may_alias));
+
+static __thread uint64_t huf_wksp[(HUF_WORKSPACE_SIZE + 64) / 8];
+static __thread HUF_DTable huf_dtable[HUF_DTABLE_SIZE(HUF_TABLELOG_MAX)];
+static __thread struct { uint8_t *buf; size_t cap; } work;
+
+static uint8_t *scratch(size_t n) {
+    if (n > work.cap) {
+        free(work.buf);
+        work.buf = malloc(n);
+        work.cap = work.buf ? n : 0;
+    }
+    return work.buf;
+}
+
+/* huff0's BMI2 code paths, chosen once at load: cpuid traps to the hypervisor in a VM (tens of µs), and the
+ * compiler may hoist it out of a lazy check, since zstd's cpuid asm is not volatile. */
+static int huf_flags_bmi2;
+__attribute__((constructor)) static void detect_cpu(void) {
+    huf_flags_bmi2 = ZSTD_cpuid_bmi2(ZSTD_cpuid()) ? HUF_flags_bmi2 : 0;
+}
+static inline int huf_flags(void) { return huf_flags_bmi2; }
+
+static inline void put_u32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
+static inline uint32_t get_u32(const uint8_t *p) {
+    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+size_t kv3_packed_low_bytes(size_t n) { return n / GROUP * 14 + n % GROUP; }
+
+/* ---- sections: a byte string in pieces of <= PIECE, each a u32 (size << 2 | mode) and its payload ---- */
+
+static int64_t put_section(const uint8_t *s, size_t m, uint8_t *out, size_t cap) {
+    size_t off = 0;
+    for (size_t i = 0; i < m; i += PIECE) {
+        const size_t len = m - i < PIECE ? m - i : PIECE;
+        if (cap - off < 4 + len) return ERR_CAPACITY;
+        size_t c = HUF_compress4X_repeat(out + off + 4, len - 1, s + i, len, 255, HUF_TABLELOG_DEFAULT,
+                                         huf_wksp, sizeof huf_wksp, NULL, NULL, huf_flags());
+        if (HUF_isError(c)) c = 0;  /* not compressible by its heuristics: store */
+        uint32_t mode = c == 0 ? MODE_RAW : c == 1 ? MODE_RLE : MODE_HUF;
+        if (mode == MODE_RAW) { memcpy(out + off + 4, s + i, len); c = len; }
+        put_u32(out + off, (uint32_t)(c << 2) | mode);
+        off += 4 + c;
+    }
+    return (int64_t)off;
+}
+
+static int64_t get_section(const uint8_t *src, size_t src_len, uint8_t *s, size_t m) {
+    size_t off = 0;
+    for (size_t i = 0; i < m; i += PIECE) {
+        const size_t len = m - i < PIECE ? m - i : PIECE;
+        if (src_len - off < 4) return ERR_FORMAT;
+        const uint32_t h = get_u32(src + off), mode = h & 3;
+        const size_t c = h >> 2;
+        off += 4;
+        if (c > src_len - off) return ERR_FORMAT;
+        if (mode == MODE_RAW) {
+            if (c != len) return ERR_FORMAT;
+            memcpy(s + i, src + off, len);
+        } else if (mode == MODE_RLE) {
+            if (c != 1) return ERR_FORMAT;
+            memset(s + i, src[off], len);
+        } else if (mode == MODE_HUF) {
+            huf_dtable[0] = (HUF_DTable)HUF_TABLELOG_MAX * 0x01000001;  /* HUF_CREATE_STATIC_DTABLEX2 */
+            size_t r = HUF_decompress4X_hufOnly_wksp(huf_dtable, s + i, len, src + off, c, huf_wksp,
+                                                     sizeof huf_wksp, huf_flags());
+            if (HUF_isError(r) || r != len) return ERR_STREAM;
+        } else {
+            return ERR_FORMAT;
+        }
+        off += c;
+    }
+    return (int64_t)off;
+}
+
+/* ---- encoder ---- */
+
+/* e bytes, sign bytes (bit j of byte b: element 8b + j), low bits packed, and the exponent sum of each
+ * block. `low` needs 2 bytes of slack. */
+static void split(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *restrict sg, uint8_t *restrict low,
+                  uint32_t *restrict sums) {
+    const u16u *x = (const u16u *)src;
+    const size_t groups = n / GROUP;
+    memset(sums, 0, (n + BLOCK - 1) / BLOCK * sizeof *sums);
+    for (size_t k = 0; k < groups; k++) {
+        const size_t i = k * GROUP;
+        uint32_t signs, sum;
+#ifdef KV3_SIMD
+        __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
+        const __m128i byte = _mm_set1_epi16(0xFF), seven = _mm_set1_epi16(0x7F);
+        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte),
+                                      _mm_and_si128(_mm_srli_epi16(b, 7), byte));
+        __m128i mv = _mm_packus_epi16(_mm_and_si128(a, seven), _mm_and_si128(b, seven));
+        signs = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, b));
+        __m128i sad = _mm_sad_epu8(ev, _mm_setzero_si128());
+        sum = (uint32_t)(_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4));
+        uint32_t top = (uint32_t)_mm_extract_epi16(mv, 7);
+        uint32_t extra = (top & 0x7F) | ((top >> 8) & 0x7F) << 7;
+        const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+        __m128i spread = _mm_set_epi64x((int64_t)(((extra >> 8) & 0xFF) * 0x0101010101010101ull),
+                                        (int64_t)((extra & 0xFF) * 0x0101010101010101ull));
+        spread = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, sel), sel), _mm_set1_epi8((char)0x80));
+        _mm_storeu_si128((__m128i *)(e + i), ev);
+        _mm_storeu_si128((__m128i *)(low + k * 14), _mm_or_si128(mv, spread));
+#else
+        uint8_t m[GROUP];
+        signs = sum = 0;
+        for (int j = 0; j < GROUP; j++) {
+            const uint32_t v = x[i + j];
+            e[i + j] = (uint8_t)(v >> 7);
+            sum += e[i + j];
+            m[j] = (uint8_t)(v & 0x7F);
+            signs |= (v >> 15) << j;
+        }
+        const uint32_t extra = m[14] | (uint32_t)m[15] << 7;
+        for (int j = 0; j < 14; j++) low[k * 14 + j] = (uint8_t)(m[j] | ((extra >> j) & 1) << 7);
+#endif
+        sg[2 * k] = (uint8_t)signs;
+        sg[2 * k + 1] = (uint8_t)(signs >> 8);
+        sums[i / BLOCK] += sum;
+    }
+    memset(sg + 2 * groups, 0, (n + 7) / 8 - 2 * groups);
+    for (size_t i = groups * GROUP; i < n; i++) {
+        const uint32_t v = x[i];
+        e[i] = (uint8_t)(v >> 7);
+        sums[i / BLOCK] += e[i];
+        low[groups * 14 + (i - groups * GROUP)] = (uint8_t)(v & 0x7F);
+        sg[i / 8] |= (uint8_t)((v >> 15) << (i % 8));
+    }
+}
+
+/* Block classes. A block's level is its rounded mean exponent in half steps (0..510). Levels become classes
+ * one to one when there are at most KV3_MAX_CLASSES of them (bf16 KV: ~20); otherwise whole steps are
+ * tried (fp16's e carries 3 mantissa bits, so its means spread over ~75 half steps); if still too many,
+ * the KV3_MAX_CLASSES - 1 most common levels keep a class each and every other level joins its nearest kept
+ * one. Class ids follow the levels' order, so neighbouring blocks' ids differ little (their deltas are
+ * coded). Any assignment decodes: the classes are sent, never derived. (A contiguous window of levels
+ * would not do: a 4 KiB JSON header in a frame puts a few blocks at level 0, far below the data.) */
+static inline unsigned level(uint32_t sum, size_t len) { return (unsigned)(((sum << 1) + len / 2) / len); }
+
+static unsigned classify(const uint32_t *sums, size_t n, uint8_t *cls) {
+    const size_t nb = (n + BLOCK - 1) / BLOCK;
+    uint32_t hist[512] = {0};
+    for (size_t t = 0; t < nb; t++) hist[level(sums[t], t + 1 < nb ? BLOCK : n - t * BLOCK)]++;
+    unsigned shift = 0, levels = 511, distinct = 0;
+    for (unsigned v = 0; v < levels; v++) distinct += hist[v] != 0;
+    if (distinct > KV3_MAX_CLASSES) {  /* whole steps */
+        shift = 1, levels = 256, distinct = 0;
+        for (unsigned v = 0; v < levels; v++) {
+            hist[v] = hist[2 * v] + (2 * v + 1 < 511 ? hist[2 * v + 1] : 0);
+            distinct += hist[v] != 0;
+        }
+    }
+    uint8_t keep[512] = {0};
+    if (distinct <= KV3_MAX_CLASSES) {
+        for (unsigned v = 0; v < levels; v++) keep[v] = hist[v] != 0;
+    } else {  /* the most common levels, ties to the lower level */
+        for (unsigned k = 0; k < KV3_MAX_CLASSES - 1; k++) {
+            unsigned best = levels;
+            for (unsigned v = 0; v < levels; v++)
+                if (!keep[v] && hist[v] && (best == levels || hist[v] > hist[best])) best = v;
+            keep[best] = 1;
+        }
+    }
+    uint8_t id_of[512];
+    unsigned n_cls = 0;
+    for (unsigned v = 0; v < levels; v++)
+        if (keep[v]) id_of[v] = (uint8_t)n_cls++;
+    for (unsigned v = 0; v < levels; v++) {  /* a dropped level: the nearest kept one (the lower on a tie) */
+        if (keep[v] || !hist[v]) continue;
+        for (unsigned d = 1;; d++) {
+            if (v >= d && keep[v - d]) { id_of[v] = id_of[v - d]; break; }
+            if (v + d < levels && keep[v + d]) { id_of[v] = id_of[v + d]; break; }
+        }
+    }
+    for (size_t t = 0; t < nb; t++) cls[t] = id_of[level(sums[t], t + 1 < nb ? BLOCK : n - t * BLOCK) >> shift];
+    return n_cls;
+}
+
+int64_t kv3_encode(const uint8_t *src, size_t n_bytes, uint8_t *dst, size_t cap) {
+    const size_t n = n_bytes / 2, nb = (n + BLOCK - 1) / BLOCK, low_len = kv3_packed_low_bytes(n);
+    const size_t sg_len = (n + 7) / 8;
+    if (n == 0 || n > 0xFFFFFFFFu) return ERR_FORMAT;
+    if (cap < V3_HEADER + low_len + 2 + (n_bytes & 1)) return ERR_CAPACITY;
+    uint8_t *buf = scratch(2 * n + sg_len + 2 * nb + nb * sizeof(uint32_t) + 64);
+    if (!buf) return ERR_NOMEM;
+    uint32_t *sums = (uint32_t *)buf;
+    uint8_t *e = (uint8_t *)(sums + nb), *by_class = e + n + 16, *sg = by_class + n, *cls = sg + sg_len + 8;
+    uint8_t *deltas = cls + nb;
+
+    split(src, n, e, sg, dst + V3_HEADER, sums);  /* low bits straight into place (the 2 bytes of slack fit) */
+    const unsigned n_cls = classify(sums, n, cls);
+
+    memset(dst, 0, V3_HEADER);
+    dst[0] = KV3_VERSION;
+    dst[2] = 6;  /* log2 BLOCK */
+    put_u32(dst + 4, (uint32_t)n);
+    dst[10] = (uint8_t)n_cls;
+    dst[11] = n_bytes & 1;
+    size_t off = V3_HEADER + low_len;
+    if (n_bytes & 1) dst[off++] = src[n_bytes - 1];
+
+    uint8_t prev = 0;
+    size_t start[KV3_MAX_CLASSES + 1] = {0}, fill[KV3_MAX_CLASSES];
+    for (size_t t = 0; t < nb; t++) {
+        deltas[t] = (uint8_t)(cls[t] - prev);
+        prev = cls[t];
+        start[cls[t] + 1] += t + 1 < nb ? BLOCK : n - t * BLOCK;
+    }
+    for (unsigned c = 0; c < n_cls; c++) start[c + 1] += start[c];
+    memcpy(fill, start, sizeof fill);
+    for (size_t t = 0; t + 1 < nb; t++) {
+        memcpy(by_class + fill[cls[t]], e + t * BLOCK, BLOCK);
+        fill[cls[t]] += BLOCK;
+    }
+    memcpy(by_class + fill[cls[nb - 1]], e + (nb - 1) * BLOCK, n - (nb - 1) * BLOCK);
+
+    int64_t r = put_section(deltas, nb, dst + off, cap - off);
+    for (unsigned c = 0; r >= 0 && c < n_cls; c++) {
+        off += (size_t)r;
+        r = put_section(by_class + start[c], start[c + 1] - start[c], dst + off, cap - off);
+    }
+    if (r >= 0) {
+        off += (size_t)r;
+        r = put_section(sg, sg_len, dst + off, cap - off);
+    }
+    if (r < 0) return r;
+    return (int64_t)(off + (size_t)r);
+}
+
+/* ---- decoder ---- */
+
+/* x for 16 elements from their e bytes, 16 sign bits and 14 packed low bytes (read as 16: 2 bytes of slack). */
+static inline void join16(const uint8_t *restrict e, uint32_t signs, const uint8_t *restrict lp, u16u *restrict out) {
+#ifdef KV3_SIMD
+    __m128i lb = _mm_loadu_si128((const __m128i *)lp);
+    uint32_t top = (uint32_t)_mm_movemask_epi8(lb) & 0x3FFF;
+    __m128i mv = _mm_and_si128(lb, _mm_set1_epi8(0x7F));
+    mv = _mm_insert_epi16(mv, (int)((top & 0x7F) | (top >> 7) << 8), 7);
+    __m128i ev = _mm_loadu_si128((const __m128i *)e);
+    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+    __m128i sv = _mm_set_epi64x((int64_t)(((signs >> 8) & 0xFF) * 0x0101010101010101ull),
+                                (int64_t)((signs & 0xFF) * 0x0101010101010101ull));
+    sv = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(sv, sel), sel), _mm_set1_epi8((char)0x80));
+    __m128i lo = _mm_or_si128(mv, _mm_and_si128(_mm_slli_epi16(ev, 7), _mm_set1_epi8((char)0x80)));
+    __m128i hi = _mm_or_si128(sv, _mm_and_si128(_mm_srli_epi16(ev, 1), _mm_set1_epi8(0x7F)));
+    _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128((__m128i *)(out + 8), _mm_unpackhi_epi8(lo, hi));
+#else
+    uint32_t top = 0;
+    for (int j = 0; j < 14; j++) top |= (uint32_t)(lp[j] >> 7) << j;
+    for (int j = 0; j < GROUP; j++) {
+        const uint32_t mv = j < 14 ? lp[j] & 0x7F : j == 14 ? top & 0x7F : top >> 7;
+        out[j] = (uint16_t)(((signs >> j) & 1) << 15 | (uint32_t)e[j] << 7 | mv);
+    }
+#endif
+}
+
+int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes) {
+    if (src_len < V3_HEADER) return ERR_FORMAT;
+    const size_t n = get_u32(src + 4), nb = (n + BLOCK - 1) / BLOCK, low_len = kv3_packed_low_bytes(n);
+    const size_t sg_len = (n + 7) / 8, tail = src[11];
+    const unsigned n_cls = src[10];
+    if (src[0] != KV3_VERSION || src[1] != 0 || src[2] != 6 || src[3] != 0 || src[8] || src[9] ||
+        get_u32(src + 12) != 0 || n == 0 || n != n_bytes / 2 || tail != (n_bytes & 1) || n_cls < 1 ||
+        n_cls > KV3_MAX_CLASSES)
+        return ERR_FORMAT;
+    size_t off = V3_HEADER + low_len + tail;
+    if (off > src_len) return ERR_FORMAT;
+    const uint8_t *low = src + V3_HEADER;
+
+    uint8_t *buf = scratch(n + 16 + sg_len + 8 + nb + 16);
+    if (!buf) return ERR_NOMEM;
+    uint8_t *by_class = buf, *sg = by_class + n + 16, *cls = sg + sg_len + 8;
+
+    int64_t r = get_section(src + off, src_len - off, cls, nb);
+    if (r < 0) return (int)r;
+    off += (size_t)r;
+    size_t start[KV3_MAX_CLASSES + 1] = {0};
+    uint8_t c = 0;
+    for (size_t t = 0; t < nb; t++) {
+        c = cls[t] = (uint8_t)(c + cls[t]);
+        if (c >= n_cls) return ERR_FORMAT;
+        start[c + 1] += t + 1 < nb ? BLOCK : n - t * BLOCK;
+    }
+    for (unsigned k = 0; k < n_cls; k++) start[k + 1] += start[k];
+    for (unsigned k = 0; k < n_cls; k++) {
+        r = get_section(src + off, src_len - off, by_class + start[k], start[k + 1] - start[k]);
+        if (r < 0) return (int)r;
+        off += (size_t)r;
+    }
+    r = get_section(src + off, src_len - off, sg, sg_len);
+    if (r < 0) return (int)r;
+    if (off + (size_t)r != src_len) return ERR_FORMAT;
+    if (n % 8 && sg[n / 8] >> (n % 8)) return ERR_FORMAT;  /* the unused sign bits are 0 */
+
+    /* each block's exponents from its class's stream, joined with its signs and low bits */
+    u16u *out = (u16u *)dst;
+    size_t pos[KV3_MAX_CLASSES];
+    memcpy(pos, start, sizeof pos);
+    const size_t whole = n / GROUP * GROUP;
+    uint8_t last[BLOCK + 16];
+    for (size_t t = 0; t < nb; t++) {
+        const size_t a = t * BLOCK, len = t + 1 < nb ? BLOCK : n - a;
+        const uint8_t *e = by_class + pos[cls[t]];
+        pos[cls[t]] += len;
+        if (len < BLOCK) {  /* the last block: its class's stream may end here, so copy before wide loads */
+            memcpy(last, e, len);
+            e = last;
+        }
+        size_t i = 0;
+        for (; a + i + GROUP <= whole && i < len; i += GROUP) {
+            const uint32_t signs = sg[(a + i) / 8] | (uint32_t)sg[(a + i) / 8 + 1] << 8;
+            join16(e + i, signs, low + (a + i) / GROUP * 14, out + a + i);
+        }
+        for (; i < len; i++) {
+            const size_t j = a + i;
+            const uint32_t mv = low[whole / GROUP * 14 + (j - whole)];
+            if (mv > 0x7F) return ERR_FORMAT;
+            out[j] = (uint16_t)(((sg[j / 8] >> (j % 8)) & 1) << 15 | (uint32_t)e[i] << 7 | mv);
+        }
+    }
+    if (tail) dst[n_bytes - 1] = src[V3_HEADER + low_len];
+    return 0;
+}
