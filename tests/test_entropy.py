@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import runpy
 import shutil
 import subprocess
@@ -297,14 +298,18 @@ def test_version_3_rejects_every_truncation_and_header_change():
 
 def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
     """The kernel built without SIMD and without huff0's assembly (as on a machine without SSE2, or not
-    x86-64) writes byte-identical payloads and decodes what the SIMD build wrote, and the other way round."""
+    x86-64), and with SSE2 but without the AVX-512 join (as on a CPU without it), writes byte-identical
+    payloads and decodes what the installed build wrote, and the other way round."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler, "a C compiler builds the kernel; it must be here"
-    c_sources = runpy.run_path(str(ROOT / "kvfs/codecs/kernel_sources.py"))["C_SOURCES"]
-    portable = tmp_path / "portable.so"
-    subprocess.run([compiler, "-O2", "-std=c11", "-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM", "-shared", "-fPIC",
-                    *[str(ROOT / src) for src in c_sources], "-o", str(portable)], check=True)
-    libs = [entropy._lib, ctypes.CDLL(str(portable))]
+    sources = runpy.run_path(str(ROOT / "kvfs/codecs/kernel_sources.py"))
+    c_sources = sources["C_SOURCES"]
+    huf0_asm = [sources["X86_64_ASM"]] if platform.machine() == "x86_64" else ["-DZSTD_DISABLE_ASM"]
+    builds = {"portable.so": ["-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM"], "sse2.so": ["-DKV3_NO_AVX512", *huf0_asm]}
+    for name, flags in builds.items():
+        subprocess.run([compiler, "-O2", "-std=c11", "-shared", "-fPIC", *[str(ROOT / src) for src in c_sources],
+                        *[flag if flag.startswith("-") else str(ROOT / flag) for flag in flags], "-o", str(tmp_path / name)], check=True)
+    libs = [entropy._lib] + [ctypes.CDLL(str(tmp_path / name)) for name in builds]
     for lib in libs[1:]:
         lib.kvec_encode.restype = ctypes.c_int64
         lib.kvec_encode.argtypes = entropy._lib.kvec_encode.argtypes
@@ -322,7 +327,7 @@ def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
                 size = lib.kvec_encode(src.ctypes.data, src.size, stride, entropy.WINDOW_LOG, out.ctypes.data, out.size)
                 assert size > 0, (len(data), stride, size)
                 payloads.append(out[:size].tobytes())
-            assert payloads[0] == payloads[1], (len(data), stride)
+            assert payloads[0] == payloads[1] == payloads[2], (len(data), stride)
             for lib in libs:
                 dec = np.empty(len(data), dtype=np.uint8)
                 pay = np.frombuffer(payloads[0], dtype=np.uint8)

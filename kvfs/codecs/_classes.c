@@ -303,6 +303,47 @@ static inline void join16(const uint8_t *restrict e, uint32_t signs, const uint8
 #endif
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(KVEC_NO_SIMD) && !defined(KV3_NO_AVX512)
+#include <immintrin.h>
+#define KV3_AVX512 1
+/* A whole block of 64 with AVX-512 (BW, VBMI) and BMI2: 4 joins of 16 in ~20 instructions. The low bytes of
+ * 4 groups are spread to 16 lanes each by one byte permute; the top bits of each group's 14 bytes become
+ * its elements 14 and 15 by pext (the 4 x 14 top bits) and pdep (7 bits per byte). */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,bmi,bmi2")))
+static void join64_avx512(const uint8_t *restrict e, uint64_t signs, const uint8_t *restrict lp, u16u *restrict out) {
+    const __m512i spread = _mm512_set_epi8(
+        0, 0, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
+        0, 0, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28,
+        0, 0, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+        0, 0, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i extra_at = _mm512_set_epi8(
+        7, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        3, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask64 extra_lanes = 0xC000C000C000C000ull;
+    __m512i raw = _mm512_permutexvar_epi8(spread, _mm512_maskz_loadu_epi8((1ull << 56) - 1, lp));
+    const uint64_t tops = _pext_u64((uint64_t)_mm512_movepi8_mask(raw), ~extra_lanes);
+    const __m512i extra = _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)_pdep_u64(tops, 0x7F7F7F7F7F7F7F7Full)));
+    __m512i low = _mm512_and_si512(raw, _mm512_set1_epi8(0x7F));
+    low = _mm512_mask_permutexvar_epi8(low, extra_lanes, extra_at, extra);
+    const __m512i ev = _mm512_loadu_si512(e);
+    const __m512i top = _mm512_set1_epi16((short)0x8000);
+    for (int h = 0; h < 2; h++) {
+        const __m512i eh = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(ev, 1) : _mm512_castsi512_si256(ev));
+        const __m512i lh = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(low, 1) : _mm512_castsi512_si256(low));
+        __m512i x = _mm512_or_si512(_mm512_slli_epi16(eh, 7), lh);
+        x = _mm512_mask_mov_epi16(x, (__mmask32)(signs >> (32 * h)), _mm512_or_si512(x, top));
+        _mm512_storeu_si512((void *)(out + 32 * h), x);
+    }
+}
+
+static int have_avx512;
+__attribute__((constructor)) static void detect_avx512(void) {
+    __builtin_cpu_init();
+    have_avx512 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+                  __builtin_cpu_supports("bmi2");
+}
+#endif
+
 int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes) {
     if (src_len < V3_HEADER) return ERR_FORMAT;
     const size_t n = get_u32(src + 4), nb = (n + BLOCK - 1) / BLOCK, low_len = kv3_packed_low_bytes(n);
@@ -359,6 +400,14 @@ int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes)
             e = last;
         }
         size_t i = 0;
+#ifdef KV3_AVX512
+        if (have_avx512 && len == BLOCK && a + BLOCK <= whole) {
+            uint64_t signs;
+            memcpy(&signs, sg + a / 8, 8);
+            join64_avx512(e, signs, low + a / GROUP * 14, out + a);
+            continue;
+        }
+#endif
         for (; a + i + GROUP <= whole && i < len; i += GROUP) {
             const uint32_t signs = sg[(a + i) / 8] | (uint32_t)sg[(a + i) / 8 + 1] << 8;
             join16(e + i, signs, low + (a + i) / GROUP * 14, out + a + i);
