@@ -9,8 +9,9 @@ committed samples tests/data/kv/*.kv):
                   behind a 4096-byte header, as kvfs_connector writes them, with its shape hint
 
 Rows, each over 1 MiB frames (kvfs's frame size), every frame round-tripped and compared:
-    entropy        kvfs codec 4 (context-modelled Huffman; stride from the shape hint)
+    entropy        kvfs codec 4 (version 3: exponents Huffman-coded by block class with zstd's huff0)
     entropy→buffer the same decoded into one reused buffer, as kvfs.direct decodes into the reader's buffer
+    entropy v2     codec 4 as kvfs wrote 1 MiB frames before version 3 (context-modelled Huffman, stride 1)
     zstd+planes    kvfs codec 1, tuned zstd on byteplane2
     deflate+planes kvfs codec 2 (ISA-L level 1, QAT's format) on byteplane2
     deflate-1 raw  anchor: ISA-L level 1 on the raw bytes (QAT without reorder)
@@ -151,6 +152,7 @@ def rows_for(stride: int) -> list[FrameCodec]:
     return [
         kvfs_row("entropy", EntropyCodec(stride), transforms.IDENTITY),
         into_buffer_row(stride),
+        FrameCodec("entropy v2", lambda f: entropy.encode(f, 1, version=2) or bytes(f), entropy.decode),
         kvfs_row("zstd+planes", codecs.by_name("zstd"), transforms.BYTEPLANE2),
         kvfs_row("deflate+planes", codecs.by_name("deflate"), transforms.BYTEPLANE2),
         kvfs_row("deflate-1 raw", codecs.by_name("deflate"), transforms.IDENTITY),

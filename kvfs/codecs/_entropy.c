@@ -463,12 +463,23 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
 /* Encode n_bytes of src into dst (capacity cap). Returns the payload size, or a negative code
  * (KVEC_ERR_CAPACITY when the result would not fit: the caller stores the frame raw). */
 int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_log, uint8_t *dst, size_t cap) {
-    if (stride < 1 || stride > MAX_STRIDE || window_log < 2 || window_log > 5 || n_bytes / 2 > 0xFFFFFFFFu)
+    return kvec_encode_version(src, n_bytes, stride, window_log, dst, cap, 0);
+}
+
+/* `version` 0: what kvfs writes (3 for frames of KV3_MIN_BYTES and more, else 2 for stride 1, 1 otherwise);
+ * 1-3 force one (benchmarks and tests compare them on the same frames; 2 needs stride 1). */
+int64_t kvec_encode_version(const uint8_t *src, size_t n_bytes, int stride, int window_log, uint8_t *dst,
+                            size_t cap, int version) {
+    if (stride < 1 || stride > MAX_STRIDE || window_log < 2 || window_log > 5 || n_bytes / 2 > 0xFFFFFFFFu ||
+        version < 0 || version > KV3_VERSION || (version == VERSION_SIGNS && stride != 1))
         return KVEC_ERR_ARGS;
-    if (n_bytes >= KV3_MIN_BYTES) return kv3_encode(src, n_bytes, dst, cap);
+    if (version == KV3_VERSION || (version == 0 && n_bytes >= KV3_MIN_BYTES)) {
+        if (n_bytes < 2) return KVEC_ERR_ARGS;
+        return kv3_encode(src, n_bytes, dst, cap);
+    }
     params_t p = {0};
     p.n = n_bytes / 2;
-    p.version = stride == 1 ? VERSION_SIGNS : VERSION_R;
+    p.version = version ? version : stride == 1 ? VERSION_SIGNS : VERSION_R;
     p.window_log = p.version == VERSION_SIGNS ? 4 : window_log;  /* version 2: the moving average's scale */
     p.stride = stride;
     p.n_streams = p.n >= 4096 ? 4 : 1;

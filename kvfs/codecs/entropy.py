@@ -1,10 +1,11 @@
-"""Codec 4, `entropy`: context-modelled Huffman coding of 16-bit floats (bf16, fp16), in C.
+"""Codec 4, `entropy`: Huffman coding of 16-bit floats (bf16, fp16) by exponent class, in C.
 
-The exponent byte of each element is Huffman-coded with a table chosen by the rounded mean of the same
-channel's previous exponents (stride d apart), so the codec adapts to each channel's magnitude without
-sending per-channel statistics. For stride 1 (version 2) the signs are coded too, four at a time with a
-table chosen by the channel's previous signs; the 7 low bits are stored as they are. Payload format:
-docs/format.md, "codec 4". The kernel (_entropy.c) is loaded with ctypes, which releases the GIL.
+Frames of 64 KiB and more (version 3, _classes.c): the elements form blocks of 64, each block's class is
+its mean exponent, and the exponents of each class are coded together by zstd's huff0 (vendored in
+huf0/), as is the plane of signs; the 7 low bits are stored as they are. Smaller frames (versions 1-2,
+_entropy.c): each exponent is coded with a table chosen by the running mean of the channel's previous
+exponents (stride d apart) and, for stride 1, the signs four at a time. Payload format: docs/format.md,
+"codec 4". The kernel (_entropy.c, _classes.c, huf0) is loaded with ctypes, which releases the GIL.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from .base import CodecError
 
 WINDOW_LOG = 4  # K = 16 previous exponents (16 vs 8 saves 0.01 bits/element on real KV; 32 gains nothing)
 MAX_STRIDE = 4096
-OVERHEAD = 16 + 8 * 8 + 64 * 130 + 72 + 16  # fixed header, stream sizes, tables, sign tables, padding
+OVERHEAD = 16 + 8 * 8 + 64 * 130 + 72 + 16  # v2: fixed header, stream sizes, tables, sign tables, padding
+# (version 3 needs at most 16 + 4 per 128 KiB piece of each of its 66 sections beyond the raw planes; a
+# payload that does not fit in raw + OVERHEAD is larger than raw anyway and the frame is stored raw)
 
 
 def _load() -> ctypes.CDLL:
@@ -32,6 +35,8 @@ def _load() -> ctypes.CDLL:
             lib.kvec_encode.restype = ctypes.c_int64
             lib.kvec_encode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_size_t]
+            lib.kvec_encode_version.restype = ctypes.c_int64
+            lib.kvec_encode_version.argtypes = lib.kvec_encode.argtypes + [ctypes.c_int]
             lib.kvec_decode.restype = ctypes.c_int
             lib.kvec_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
             return lib
@@ -60,12 +65,13 @@ def _encode_buffer(cap: int) -> np.ndarray:
     return buf
 
 
-def encode(data, stride: int = 1) -> bytes | None:
-    """The payload, or None when it would not be smaller than the input (the caller stores raw)."""
+def encode(data, stride: int = 1, version: int = 0) -> bytes | None:
+    """The payload, or None when it would not be smaller than the input (the caller stores raw). `version`
+    0 is what kvfs writes (3 for frames of 64 KiB and more); 1-3 force one, for comparisons."""
     src, n, keep = _address(data)
     cap = n + OVERHEAD
     out = _encode_buffer(cap)
-    size = _lib.kvec_encode(src, n, stride, WINDOW_LOG, out.ctypes.data, cap)
+    size = _lib.kvec_encode_version(src, n, stride, WINDOW_LOG, out.ctypes.data, cap, version)
     del keep
     if size == -1:
         return None
