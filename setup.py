@@ -29,4 +29,5 @@ setup(cmdclass={"build_ext": BuildWithAssembly},
       ext_modules=[Extension("kvfs.codecs._entropy",
                              sources["C_SOURCES"] + ([sources["X86_64_ASM"]] if x86_64 else []),
                              define_macros=[] if x86_64 else [("ZSTD_DISABLE_ASM", "1")],
+                             libraries=["m"],
                              extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"])])

@@ -246,6 +246,39 @@ def test_versions_written_by_frame_size_and_stride():
         entropy.encode(frame, 64, version=2)  # version 2 is for stride 1 only
 
 
+def test_version_3_keeps_9_low_bits_of_fp16_and_7_of_bf16():
+    """fp16's exponent byte holds 3 mantissa bits: version 3 codes 5 exponent bits + 1 mantissa bit and keeps 9
+    low bits (faster to decode, and smaller); bf16 keeps the whole exponent coded."""
+    for dtype, low_bits, limit in (("bf16", 7, 0.66), ("fp16", 9, 0.845)):
+        frame = kv_samples(dtype)[0].read_bytes()[:1 << 20]
+        payload = round_trip(frame)
+        assert payload[0] == 3 and payload[3] == low_bits and len(payload) / len(frame) < limit, dtype
+
+
+def test_version_3_rejects_exponents_that_do_not_fit():
+    """With 9 low bits an exponent symbol has 6 bits; a class stream holding a larger value is rejected (the
+    stored checksum would catch it first; the kernel must not depend on that). The payload is walked as
+    docs/format.md describes it: header, low bits, the classes section, then class 0's section."""
+    n = 40_000
+    rng = np.random.default_rng(5)
+    x = (20 << 9) | rng.integers(0, 1 << 9, size=n) | (rng.integers(0, 2, size=n) << 15)
+    data = x.astype("<u2").tobytes()
+    payload = round_trip(data)
+    assert payload[3] == 9 and payload[10] == 1  # 9 low bits, one class
+    off = 16 + n + (n + 7) // 8  # header, low bytes, bit-8 plane (no tail: raw_len is even)
+    assert int.from_bytes(payload[off:off + 4], "little") == (1 << 2) | 1  # classes: one RLE piece
+    off += 5
+    assert int.from_bytes(payload[off:off + 4], "little") == (1 << 2) | 1 and payload[off + 4] == 20
+    bad = bytearray(payload)
+    bad[off + 4] = 64
+    with pytest.raises(codecs.CodecError):
+        entropy.decode_into(bytes(bad), bytearray(len(data)))
+    bad[off + 4] = 63  # fits: decodes (to other values)
+    out = bytearray(len(data))
+    entropy.decode_into(bytes(bad), out)
+    assert out != data
+
+
 def test_version_3_sections_hold_many_pieces():
     """A frame larger than kvfs's 1 MiB: one class and the sign plane run past huff0's 128 KiB per piece."""
     rng = np.random.default_rng(3)
@@ -264,7 +297,12 @@ def v3_frames(draw):
     seed, n = draw(st.integers(0, 2**32 - 1)), draw(st.integers(32_768, 200_000))
     rng = np.random.default_rng(seed)
     scale = np.exp(rng.normal(0, draw(st.floats(0, 8)), size=n // 64 + 1)).repeat(64)[:n]
-    x = (rng.normal(0, 1, size=n) * scale).astype(np.float32).view("<u4") >> 16
+    values = rng.normal(0, 1, size=n) * scale
+    if draw(st.booleans()):  # bf16 (7 low bits)
+        x = values.astype(np.float32).view("<u4") >> 16
+    else:  # fp16 (usually 9 low bits); large values become Inf, which is wanted
+        with np.errstate(over="ignore"):
+            x = values.astype(np.float16).view("<u2").astype("<u4")
     if draw(st.booleans()):
         x[rng.integers(0, n, size=n // 10)] = rng.choice([0x7F80, 0xFF80, 0x7FC0, 0, 0x8000, 0x0001], size=n // 10)
     if draw(st.booleans()):
@@ -317,7 +355,8 @@ def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
     builds = {"portable.so": ["-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM"], "sse2.so": ["-DKV3_NO_AVX512", *huf0_asm]}
     for name, flags in builds.items():
         subprocess.run([compiler, "-O2", "-std=c11", "-shared", "-fPIC", *[str(ROOT / src) for src in c_sources],
-                        *[flag if flag.startswith("-") else str(ROOT / flag) for flag in flags], "-o", str(tmp_path / name)], check=True)
+                        *[flag if flag.startswith("-") else str(ROOT / flag) for flag in flags], "-lm", "-o", str(tmp_path / name)],
+                       check=True)
     libs = [entropy._lib] + [ctypes.CDLL(str(tmp_path / name)) for name in builds]
     for lib in libs[1:]:
         lib.kvec_encode.restype = ctypes.c_int64

@@ -73,6 +73,9 @@ static inline uint32_t get_u32(const uint8_t *p) {
 
 size_t kv3_packed_low_bytes(size_t n) { return n / GROUP * 14 + n % GROUP; }
 
+/* The low-bit section: 7 bits packed 16 to 14; 9 bits as a byte plane and a plane of bit 8. */
+static size_t kv3_low_bytes(size_t n, unsigned w) { return w == 7 ? kv3_packed_low_bytes(n) : n + (n + 7) / 8; }
+
 /* ---- sections: a byte string in pieces of <= PIECE, each a u32 (size << 2 | mode) and its payload ---- */
 
 static int64_t put_section(const uint8_t *s, size_t m, uint8_t *out, size_t cap) {
@@ -176,6 +179,62 @@ static void split(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *re
     }
 }
 
+/* The 9-low-bit layout (fp16): e = bits 9..14 (5 exponent bits + the top mantissa bit), the low byte as a
+ * plane, bit 8 as a bit plane like the signs. `hi8` needs ceil(n/8) bytes. */
+static void split9(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *restrict sg, uint8_t *restrict low8,
+                   uint8_t *restrict hi8, uint32_t *restrict sums) {
+    const u16u *x = (const u16u *)src;
+    memset(sums, 0, (n + BLOCK - 1) / BLOCK * sizeof *sums);
+    memset(sg, 0, (n + 7) / 8);
+    memset(hi8, 0, (n + 7) / 8);
+    size_t i = 0;
+#ifdef KV3_SIMD
+    for (; i + GROUP <= n; i += GROUP) {
+        __builtin_prefetch(x + i + 1024);
+        __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
+        const __m128i byte = _mm_set1_epi16(0xFF), six = _mm_set1_epi16(0x3F);
+        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 9), six), _mm_and_si128(_mm_srli_epi16(b, 9), six));
+        __m128i lv = _mm_packus_epi16(_mm_and_si128(a, byte), _mm_and_si128(b, byte));
+        const uint32_t signs = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, b));
+        const uint32_t bit8 = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(_mm_slli_epi16(a, 7), _mm_slli_epi16(b, 7)));
+        __m128i sad = _mm_sad_epu8(ev, _mm_setzero_si128());
+        sums[i / BLOCK] += (uint32_t)(_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4));
+        _mm_storeu_si128((__m128i *)(e + i), ev);
+        _mm_storeu_si128((__m128i *)(low8 + i), lv);
+        sg[i / 8] = (uint8_t)signs, sg[i / 8 + 1] = (uint8_t)(signs >> 8);
+        hi8[i / 8] = (uint8_t)bit8, hi8[i / 8 + 1] = (uint8_t)(bit8 >> 8);
+    }
+#endif
+    for (; i < n; i++) {
+        const uint32_t v = x[i];
+        e[i] = (uint8_t)((v >> 9) & 0x3F);
+        sums[i / BLOCK] += e[i];
+        low8[i] = (uint8_t)v;
+        sg[i / 8] |= (uint8_t)((v >> 15) << (i % 8));
+        hi8[i / 8] |= (uint8_t)(((v >> 8) & 1) << (i % 8));
+    }
+}
+
+/* 7 low bits (bf16: e is the whole exponent) or 9 (fp16: e = 5 exponent bits + 1 mantissa bit; the 3 bits of
+ * mantissa in a 7-bit split are nearly uniform, and coding them slows huff0 by a third for 0.001 of
+ * stored/raw). Chosen from the order-0 entropy of e over one block in 16: 9 when it costs less than
+ * 0.05 bits per element (fp16 KV: 0.014-0.021; bf16: 0.17 and more). */
+static unsigned choose_low_bits(const uint8_t *src, size_t n) {
+    const u16u *x = (const u16u *)src;
+    uint32_t h8[256] = {0}, h6[64] = {0}, total = 0;
+    for (size_t a = 0; a + BLOCK <= n; a += 16 * BLOCK)
+        for (size_t i = a; i < a + BLOCK; i++, total++) {
+            h8[(x[i] >> 7) & 0xFF]++;
+            h6[(x[i] >> 9) & 0x3F]++;
+        }
+    if (total < 1024) return 7;
+    double bits8 = 0, bits6 = 0;  /* sum of c * log2(c): entropy = log2(total) - that / total */
+    for (int v = 0; v < 256; v++) bits8 += h8[v] ? h8[v] * __builtin_log2(h8[v]) : 0;
+    for (int v = 0; v < 64; v++) bits6 += h6[v] ? h6[v] * __builtin_log2(h6[v]) : 0;
+    const double cost = (bits8 - bits6) / total + 2.0;  /* H(e6) + 2 - H(e8) */
+    return cost < 0.05 ? 9 : 7;
+}
+
 /* Block classes. A block's level is its rounded mean exponent in half steps (0..510). Levels become classes
  * one to one when there are at most KV3_MAX_CLASSES of them (bf16 KV: ~20); otherwise whole steps are
  * tried (fp16's e carries 3 mantissa bits, so its means spread over ~75 half steps); if still too many,
@@ -225,9 +284,10 @@ static unsigned classify(const uint32_t *sums, size_t n, uint8_t *cls) {
 }
 
 int64_t kv3_encode(const uint8_t *src, size_t n_bytes, uint8_t *dst, size_t cap) {
-    const size_t n = n_bytes / 2, nb = (n + BLOCK - 1) / BLOCK, low_len = kv3_packed_low_bytes(n);
-    const size_t sg_len = (n + 7) / 8;
+    const size_t n = n_bytes / 2, nb = (n + BLOCK - 1) / BLOCK, sg_len = (n + 7) / 8;
     if (n == 0 || n > 0xFFFFFFFFu) return ERR_FORMAT;
+    const unsigned w = choose_low_bits(src, n);
+    const size_t low_len = kv3_low_bytes(n, w);
     if (cap < V3_HEADER + low_len + 2 + (n_bytes & 1)) return ERR_CAPACITY;
     uint8_t *buf = scratch(2 * n + sg_len + 2 * nb + nb * sizeof(uint32_t) + 64);
     if (!buf) return ERR_NOMEM;
@@ -235,12 +295,16 @@ int64_t kv3_encode(const uint8_t *src, size_t n_bytes, uint8_t *dst, size_t cap)
     uint8_t *e = (uint8_t *)(sums + nb), *by_class = e + n + 16, *sg = by_class + n, *cls = sg + sg_len + 8;
     uint8_t *deltas = cls + nb;
 
-    split(src, n, e, sg, dst + V3_HEADER, sums);  /* low bits straight into place (the 2 bytes of slack fit) */
+    if (w == 7)  /* low bits straight into place (the 2 bytes of slack fit: a section header follows) */
+        split(src, n, e, sg, dst + V3_HEADER, sums);
+    else
+        split9(src, n, e, sg, dst + V3_HEADER, dst + V3_HEADER + n, sums);
     const unsigned n_cls = classify(sums, n, cls);
 
     memset(dst, 0, V3_HEADER);
     dst[0] = KV3_VERSION;
     dst[2] = 6;  /* log2 BLOCK */
+    dst[3] = (uint8_t)w;
     put_u32(dst + 4, (uint32_t)n);
     dst[10] = (uint8_t)n_cls;
     dst[11] = n_bytes & 1;
@@ -303,6 +367,34 @@ static inline void join16(const uint8_t *restrict e, uint32_t signs, const uint8
 #endif
 }
 
+/* The 9-low-bit layout: x from 16 e bytes (< 64), 16 sign bits, 16 bits of bit 8 and 16 low bytes. 0, or -1 when
+ * an e value does not fit in 6 bits. */
+static inline int join16_9(const uint8_t *restrict e, uint32_t signs, uint32_t hi, const uint8_t *restrict low8,
+                           u16u *restrict out) {
+#ifdef KV3_SIMD
+    const __m128i ev = _mm_loadu_si128((const __m128i *)e), lv = _mm_loadu_si128((const __m128i *)low8);
+    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+    __m128i sv = _mm_set_epi64x((int64_t)(((signs >> 8) & 0xFF) * 0x0101010101010101ull),
+                                (int64_t)((signs & 0xFF) * 0x0101010101010101ull));
+    __m128i hv = _mm_set_epi64x((int64_t)(((hi >> 8) & 0xFF) * 0x0101010101010101ull),
+                                (int64_t)((hi & 0xFF) * 0x0101010101010101ull));
+    sv = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(sv, sel), sel), _mm_set1_epi8((char)0x80));
+    hv = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hv, sel), sel), _mm_set1_epi8(1));
+    const __m128i hb = _mm_or_si128(_mm_add_epi8(ev, ev), _mm_or_si128(sv, hv));
+    _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lv, hb));
+    _mm_storeu_si128((__m128i *)(out + 8), _mm_unpackhi_epi8(lv, hb));
+    const __m128i max = _mm_set1_epi8(0x3F);
+    return _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(ev, max), max)) == 0xFFFF ? 0 : -1;
+#else
+    uint32_t big = 0;
+    for (int j = 0; j < GROUP; j++) {
+        big |= e[j] >> 6;
+        out[j] = (uint16_t)(((signs >> j) & 1) << 15 | (uint32_t)e[j] << 9 | ((hi >> j) & 1) << 8 | low8[j]);
+    }
+    return big ? -1 : 0;
+#endif
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(KVEC_NO_SIMD) && !defined(KV3_NO_AVX512)
 #include <immintrin.h>
 #define KV3_AVX512 1
@@ -336,6 +428,21 @@ static void join64_avx512(const uint8_t *restrict e, uint64_t signs, const uint8
     }
 }
 
+__attribute__((target("avx512f,avx512bw")))
+static int join64_9_avx512(const uint8_t *restrict e, uint64_t signs, uint64_t hi, const uint8_t *restrict low8,
+                           u16u *restrict out) {
+    const __m512i ev = _mm512_loadu_si512(e), lv = _mm512_loadu_si512(low8);
+    for (int h = 0; h < 2; h++) {
+        const __m512i eh = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(ev, 1) : _mm512_castsi512_si256(ev));
+        const __m512i lh = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(lv, 1) : _mm512_castsi512_si256(lv));
+        __m512i x = _mm512_or_si512(_mm512_slli_epi16(eh, 9), lh);
+        x = _mm512_mask_mov_epi16(x, (__mmask32)(hi >> (32 * h)), _mm512_or_si512(x, _mm512_set1_epi16(0x100)));
+        x = _mm512_mask_mov_epi16(x, (__mmask32)(signs >> (32 * h)), _mm512_or_si512(x, _mm512_set1_epi16((short)0x8000)));
+        _mm512_storeu_si512((void *)(out + 32 * h), x);
+    }
+    return _mm512_cmpgt_epu8_mask(ev, _mm512_set1_epi8(0x3F)) ? -1 : 0;
+}
+
 static int have_avx512;
 __attribute__((constructor)) static void detect_avx512(void) {
     __builtin_cpu_init();
@@ -344,12 +451,97 @@ __attribute__((constructor)) static void detect_avx512(void) {
 }
 #endif
 
+/* The next `len` exponents of block t's class; the last block's are copied out first (its class's stream
+ * may end there, and the joins load 16 or 64 bytes). */
+static inline const uint8_t *block_exponents(const uint8_t *by_class, size_t *pos, uint8_t c, size_t len,
+                                             uint8_t *last) {
+    const uint8_t *e = by_class + pos[c];
+    pos[c] += len;
+    if (len == BLOCK) return e;
+    memcpy(last, e, len);
+    return last;
+}
+
+static int join_blocks7(const uint8_t *by_class, const size_t *start, const uint8_t *cls, const uint8_t *sg,
+                        const uint8_t *low, size_t n, u16u *out) {
+    const size_t nb = (n + BLOCK - 1) / BLOCK, whole = n / GROUP * GROUP;
+    size_t pos[KV3_MAX_CLASSES];
+    memcpy(pos, start, sizeof pos);
+    uint8_t last[BLOCK + 16];
+    for (size_t t = 0; t < nb; t++) {
+        const size_t a = t * BLOCK, len = t + 1 < nb ? BLOCK : n - a;
+        __builtin_prefetch(low + (a + 16 * BLOCK) / GROUP * 14);  /* a VM's prefetcher lags these streams */
+        __builtin_prefetch(out + a + 16 * BLOCK, 1);
+        __builtin_prefetch(out + a + 16 * BLOCK + 32, 1);
+        const uint8_t *e = block_exponents(by_class, pos, cls[t], len, last);
+        size_t i = 0;
+#ifdef KV3_AVX512
+        if (have_avx512 && len == BLOCK && a + BLOCK <= whole) {
+            uint64_t signs;
+            memcpy(&signs, sg + a / 8, 8);
+            join64_avx512(e, signs, low + a / GROUP * 14, out + a);
+            continue;
+        }
+#endif
+        for (; a + i + GROUP <= whole && i < len; i += GROUP) {
+            const uint32_t signs = sg[(a + i) / 8] | (uint32_t)sg[(a + i) / 8 + 1] << 8;
+            join16(e + i, signs, low + (a + i) / GROUP * 14, out + a + i);
+        }
+        for (; i < len; i++) {
+            const size_t j = a + i;
+            const uint32_t mv = low[whole / GROUP * 14 + (j - whole)];
+            if (mv > 0x7F) return ERR_FORMAT;
+            out[j] = (uint16_t)(((sg[j / 8] >> (j % 8)) & 1) << 15 | (uint32_t)e[i] << 7 | mv);
+        }
+    }
+    return 0;
+}
+
+static int join_blocks9(const uint8_t *by_class, const size_t *start, const uint8_t *cls, const uint8_t *sg,
+                        const uint8_t *low, size_t n, u16u *out) {
+    const size_t nb = (n + BLOCK - 1) / BLOCK, whole = n / GROUP * GROUP;
+    const uint8_t *hi8 = low + n;
+    size_t pos[KV3_MAX_CLASSES];
+    memcpy(pos, start, sizeof pos);
+    uint8_t last[BLOCK + 16];
+    int bad = 0;
+    for (size_t t = 0; t < nb; t++) {
+        const size_t a = t * BLOCK, len = t + 1 < nb ? BLOCK : n - a;
+        __builtin_prefetch(low + a + 16 * BLOCK);
+        __builtin_prefetch(out + a + 16 * BLOCK, 1);
+        __builtin_prefetch(out + a + 16 * BLOCK + 32, 1);
+        const uint8_t *e = block_exponents(by_class, pos, cls[t], len, last);
+        size_t i = 0;
+#ifdef KV3_AVX512
+        if (have_avx512 && len == BLOCK && a + BLOCK <= whole) {
+            uint64_t signs, hi;
+            memcpy(&signs, sg + a / 8, 8);
+            memcpy(&hi, hi8 + a / 8, 8);
+            bad |= join64_9_avx512(e, signs, hi, low + a, out + a);
+            continue;
+        }
+#endif
+        for (; a + i + GROUP <= whole && i < len; i += GROUP) {
+            const size_t j = (a + i) / 8;
+            bad |= join16_9(e + i, sg[j] | (uint32_t)sg[j + 1] << 8, hi8[j] | (uint32_t)hi8[j + 1] << 8, low + a + i,
+                            out + a + i);
+        }
+        for (; i < len; i++) {
+            const size_t j = a + i;
+            bad |= e[i] >> 6;
+            out[j] = (uint16_t)(((sg[j / 8] >> (j % 8)) & 1) << 15 | (uint32_t)e[i] << 9 |
+                                ((hi8[j / 8] >> (j % 8)) & 1) << 8 | low[j]);
+        }
+    }
+    return bad ? ERR_FORMAT : 0;
+}
+
 int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes) {
     if (src_len < V3_HEADER) return ERR_FORMAT;
-    const size_t n = get_u32(src + 4), nb = (n + BLOCK - 1) / BLOCK, low_len = kv3_packed_low_bytes(n);
-    const size_t sg_len = (n + 7) / 8, tail = src[11];
-    const unsigned n_cls = src[10];
-    if (src[0] != KV3_VERSION || src[1] != 0 || src[2] != 6 || src[3] != 0 || src[8] || src[9] ||
+    const size_t n = get_u32(src + 4), nb = (n + BLOCK - 1) / BLOCK, sg_len = (n + 7) / 8, tail = src[11];
+    const unsigned n_cls = src[10], w = src[3];
+    const size_t low_len = kv3_low_bytes(n, w);
+    if (src[0] != KV3_VERSION || src[1] != 0 || src[2] != 6 || (w != 7 && w != 9) || src[8] || src[9] ||
         get_u32(src + 12) != 0 || n == 0 || n != n_bytes / 2 || tail != (n_bytes & 1) || n_cls < 1 ||
         n_cls > KV3_MAX_CLASSES)
         return ERR_FORMAT;
@@ -381,44 +573,12 @@ int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes)
     if (r < 0) return (int)r;
     if (off + (size_t)r != src_len) return ERR_FORMAT;
     if (n % 8 && sg[n / 8] >> (n % 8)) return ERR_FORMAT;  /* the unused sign bits are 0 */
+    if (w == 9 && n % 8 && low[n + n / 8] >> (n % 8)) return ERR_FORMAT;  /* and those of bit 8 */
 
     /* each block's exponents from its class's stream, joined with its signs and low bits */
-    u16u *out = (u16u *)dst;
-    size_t pos[KV3_MAX_CLASSES];
-    memcpy(pos, start, sizeof pos);
-    const size_t whole = n / GROUP * GROUP;
-    uint8_t last[BLOCK + 16];
-    for (size_t t = 0; t < nb; t++) {
-        const size_t a = t * BLOCK, len = t + 1 < nb ? BLOCK : n - a;
-        __builtin_prefetch(low + (a + 16 * BLOCK) / GROUP * 14);  /* a VM's prefetcher lags these streams */
-        __builtin_prefetch(out + a + 16 * BLOCK, 1);
-        __builtin_prefetch(out + a + 16 * BLOCK + 32, 1);
-        const uint8_t *e = by_class + pos[cls[t]];
-        pos[cls[t]] += len;
-        if (len < BLOCK) {  /* the last block: its class's stream may end here, so copy before wide loads */
-            memcpy(last, e, len);
-            e = last;
-        }
-        size_t i = 0;
-#ifdef KV3_AVX512
-        if (have_avx512 && len == BLOCK && a + BLOCK <= whole) {
-            uint64_t signs;
-            memcpy(&signs, sg + a / 8, 8);
-            join64_avx512(e, signs, low + a / GROUP * 14, out + a);
-            continue;
-        }
-#endif
-        for (; a + i + GROUP <= whole && i < len; i += GROUP) {
-            const uint32_t signs = sg[(a + i) / 8] | (uint32_t)sg[(a + i) / 8 + 1] << 8;
-            join16(e + i, signs, low + (a + i) / GROUP * 14, out + a + i);
-        }
-        for (; i < len; i++) {
-            const size_t j = a + i;
-            const uint32_t mv = low[whole / GROUP * 14 + (j - whole)];
-            if (mv > 0x7F) return ERR_FORMAT;
-            out[j] = (uint16_t)(((sg[j / 8] >> (j % 8)) & 1) << 15 | (uint32_t)e[i] << 7 | mv);
-        }
-    }
+    int rc = w == 7 ? join_blocks7(by_class, start, cls, sg, low, n, (u16u *)dst)
+                    : join_blocks9(by_class, start, cls, sg, low, n, (u16u *)dst);
+    if (rc) return rc;
     if (tail) dst[n_bytes - 1] = src[V3_HEADER + low_len];
     return 0;
 }
