@@ -31,6 +31,14 @@
 #if defined(__SSE2__) && !defined(KVEC_NO_SIMD)
 #include <emmintrin.h>
 #define KV3_SIMD 1
+
+/* 16 bits -> 16 bytes, byte j = 0xFF when bit j is set. */
+static inline __m128i bits_to_bytes(uint32_t bits) {
+    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+    const __m128i v = _mm_set_epi64x((int64_t)(((bits >> 8) & 0xFF) * 0x0101010101010101ull),
+                                     (int64_t)((bits & 0xFF) * 0x0101010101010101ull));
+    return _mm_cmpeq_epi8(_mm_and_si128(v, sel), sel);
+}
 #endif
 
 #define V3_HEADER 16
@@ -146,10 +154,7 @@ static void split(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *re
         sum = (uint32_t)(_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4));
         uint32_t top = (uint32_t)_mm_extract_epi16(mv, 7);
         uint32_t extra = (top & 0x7F) | ((top >> 8) & 0x7F) << 7;
-        const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
-        __m128i spread = _mm_set_epi64x((int64_t)(((extra >> 8) & 0xFF) * 0x0101010101010101ull),
-                                        (int64_t)((extra & 0xFF) * 0x0101010101010101ull));
-        spread = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, sel), sel), _mm_set1_epi8((char)0x80));
+        const __m128i spread = _mm_and_si128(bits_to_bytes(extra), _mm_set1_epi8((char)0x80));
         _mm_storeu_si128((__m128i *)(e + i), ev);
         _mm_storeu_si128((__m128i *)(low + k * 14), _mm_or_si128(mv, spread));
 #else
@@ -349,10 +354,7 @@ static inline void join16(const uint8_t *restrict e, uint32_t signs, const uint8
     __m128i mv = _mm_and_si128(lb, _mm_set1_epi8(0x7F));
     mv = _mm_insert_epi16(mv, (int)((top & 0x7F) | (top >> 7) << 8), 7);
     __m128i ev = _mm_loadu_si128((const __m128i *)e);
-    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
-    __m128i sv = _mm_set_epi64x((int64_t)(((signs >> 8) & 0xFF) * 0x0101010101010101ull),
-                                (int64_t)((signs & 0xFF) * 0x0101010101010101ull));
-    sv = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(sv, sel), sel), _mm_set1_epi8((char)0x80));
+    const __m128i sv = _mm_and_si128(bits_to_bytes(signs), _mm_set1_epi8((char)0x80));
     __m128i lo = _mm_or_si128(mv, _mm_and_si128(_mm_slli_epi16(ev, 7), _mm_set1_epi8((char)0x80)));
     __m128i hi = _mm_or_si128(sv, _mm_and_si128(_mm_srli_epi16(ev, 1), _mm_set1_epi8(0x7F)));
     _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lo, hi));
@@ -373,13 +375,8 @@ static inline int join16_9(const uint8_t *restrict e, uint32_t signs, uint32_t h
                            u16u *restrict out) {
 #ifdef KV3_SIMD
     const __m128i ev = _mm_loadu_si128((const __m128i *)e), lv = _mm_loadu_si128((const __m128i *)low8);
-    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
-    __m128i sv = _mm_set_epi64x((int64_t)(((signs >> 8) & 0xFF) * 0x0101010101010101ull),
-                                (int64_t)((signs & 0xFF) * 0x0101010101010101ull));
-    __m128i hv = _mm_set_epi64x((int64_t)(((hi >> 8) & 0xFF) * 0x0101010101010101ull),
-                                (int64_t)((hi & 0xFF) * 0x0101010101010101ull));
-    sv = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(sv, sel), sel), _mm_set1_epi8((char)0x80));
-    hv = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hv, sel), sel), _mm_set1_epi8(1));
+    const __m128i sv = _mm_and_si128(bits_to_bytes(signs), _mm_set1_epi8((char)0x80));
+    const __m128i hv = _mm_and_si128(bits_to_bytes(hi), _mm_set1_epi8(1));
     const __m128i hb = _mm_or_si128(_mm_add_epi8(ev, ev), _mm_or_si128(sv, hv));
     _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lv, hb));
     _mm_storeu_si128((__m128i *)(out + 8), _mm_unpackhi_epi8(lv, hb));
