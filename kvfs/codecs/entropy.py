@@ -2,10 +2,11 @@
 
 Frames of 64 KiB and more (version 3, _classes.c): the elements form blocks of 64, each block's class is
 its mean exponent, and the exponents of each class are coded together by zstd's huff0 (vendored in
-huf0/), as is the plane of signs; the 7 low bits are stored as they are. Smaller frames (versions 1-2,
-_entropy.c): each exponent is coded with a table chosen by the running mean of the channel's previous
-exponents (stride d apart) and, for stride 1, the signs four at a time. Payload format: docs/format.md,
-"codec 4". The kernel (_entropy.c, _classes.c, huf0) is loaded with ctypes, which releases the GIL.
+huf0/), as is the plane of signs; the 7 low bits (9 for fp16: its exponent byte holds 3 mantissa bits)
+are stored as they are. Smaller frames (versions 1-2, _entropy.c): each exponent is coded with a table
+chosen by the running mean of the channel's previous exponents (stride d apart) and, for stride 1, the
+signs four at a time. Payload format: docs/format.md, "codec 4". The kernel (_entropy.c, _classes.c,
+huf0) is loaded with ctypes, which releases the GIL.
 """
 
 from __future__ import annotations
