@@ -27,19 +27,7 @@
 #include "huf0/common/error_private.h"
 
 #include "_classes.h"
-
-#if defined(__SSE2__) && !defined(KVEC_NO_SIMD)
-#include <emmintrin.h>
-#define KV3_SIMD 1
-
-/* 16 bits -> 16 bytes, byte j = 0xFF when bit j is set. */
-static inline __m128i bits_to_bytes(uint32_t bits) {
-    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
-    const __m128i v = _mm_set_epi64x((int64_t)(((bits >> 8) & 0xFF) * 0x0101010101010101ull),
-                                     (int64_t)((bits & 0xFF) * 0x0101010101010101ull));
-    return _mm_cmpeq_epi8(_mm_and_si128(v, sel), sel);
-}
-#endif
+#include "_planes.h"
 
 #define V3_HEADER 16
 #define BLOCK 64                  /* elements per class block */
@@ -51,21 +39,8 @@ static inline __m128i bits_to_bytes(uint32_t bits) {
 
 enum { ERR_CAPACITY = -1, ERR_FORMAT = -2, ERR_STREAM = -3, ERR_NOMEM = -5 };
 
-typedef uint16_t u16u __attribute__((aligned(1), may_alias));
-
 static __thread uint64_t huf_wksp[(HUF_WORKSPACE_SIZE + 64) / 8];
 static __thread HUF_DTable huf_dtable[HUF_DTABLE_SIZE(HUF_TABLELOG_MAX)];
-static __thread struct { uint8_t *buf; size_t cap; } work;
-
-static uint8_t *scratch(size_t n) {
-    if (n > work.cap) {
-        free(work.buf);
-        work.buf = malloc(n);
-        work.cap = work.buf ? n : 0;
-    }
-    return work.buf;
-}
-
 /* huff0's BMI2 code paths, chosen once at load: cpuid traps to the hypervisor in a VM (tens of µs), and the
  * compiler may hoist it out of a lazy check, since zstd's cpuid asm is not volatile. */
 static int huf_flags_bmi2;
@@ -74,15 +49,8 @@ __attribute__((constructor)) static void detect_cpu(void) {
 }
 static inline int huf_flags(void) { return huf_flags_bmi2; }
 
-static inline void put_u32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
-static inline uint32_t get_u32(const uint8_t *p) {
-    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-size_t kv3_packed_low_bytes(size_t n) { return n / GROUP * 14 + n % GROUP; }
-
 /* The low-bit section: 7 bits packed 16 to 14; 9 bits as a byte plane and a plane of bit 8. */
-static size_t kv3_low_bytes(size_t n, unsigned w) { return w == 7 ? kv3_packed_low_bytes(n) : n + (n + 7) / 8; }
+static size_t kv3_low_bytes(size_t n, unsigned w) { return w == 7 ? packed_low_bytes(n) : n + (n + 7) / 8; }
 
 /* ---- sections: a byte string in pieces of <= PIECE, each a u32 (size << 2 | mode) and its payload ---- */
 
@@ -136,39 +104,19 @@ static int64_t get_section(const uint8_t *src, size_t src_len, uint8_t *s, size_
  * block. `low` needs 2 bytes of slack. */
 static void split(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *restrict sg, uint8_t *restrict low,
                   uint32_t *restrict sums) {
-    const u16u *x = (const u16u *)src;
+    const u16_unaligned *x = (const u16_unaligned *)src;
     const size_t groups = n / GROUP;
     memset(sums, 0, (n + BLOCK - 1) / BLOCK * sizeof *sums);
     for (size_t k = 0; k < groups; k++) {
         const size_t i = k * GROUP;
-        uint32_t signs, sum;
         __builtin_prefetch(x + i + 1024);  /* 2 KiB ahead: +30% encode on cold frames in this VM */
-#ifdef KV3_SIMD
-        __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
-        const __m128i byte = _mm_set1_epi16(0xFF), seven = _mm_set1_epi16(0x7F);
-        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte),
-                                      _mm_and_si128(_mm_srli_epi16(b, 7), byte));
-        __m128i mv = _mm_packus_epi16(_mm_and_si128(a, seven), _mm_and_si128(b, seven));
-        signs = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, b));
-        __m128i sad = _mm_sad_epu8(ev, _mm_setzero_si128());
+        const uint32_t signs = split16(x + i, e + i, low + k * 14);
+        uint32_t sum = 0;
+#ifdef KVEC_SIMD
+        const __m128i sad = _mm_sad_epu8(_mm_loadu_si128((const __m128i *)(e + i)), _mm_setzero_si128());
         sum = (uint32_t)(_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4));
-        uint32_t top = (uint32_t)_mm_extract_epi16(mv, 7);
-        uint32_t extra = (top & 0x7F) | ((top >> 8) & 0x7F) << 7;
-        const __m128i spread = _mm_and_si128(bits_to_bytes(extra), _mm_set1_epi8((char)0x80));
-        _mm_storeu_si128((__m128i *)(e + i), ev);
-        _mm_storeu_si128((__m128i *)(low + k * 14), _mm_or_si128(mv, spread));
 #else
-        uint8_t m[GROUP];
-        signs = sum = 0;
-        for (int j = 0; j < GROUP; j++) {
-            const uint32_t v = x[i + j];
-            e[i + j] = (uint8_t)(v >> 7);
-            sum += e[i + j];
-            m[j] = (uint8_t)(v & 0x7F);
-            signs |= (v >> 15) << j;
-        }
-        const uint32_t extra = m[14] | (uint32_t)m[15] << 7;
-        for (int j = 0; j < 14; j++) low[k * 14 + j] = (uint8_t)(m[j] | ((extra >> j) & 1) << 7);
+        for (int j = 0; j < GROUP; j++) sum += e[i + j];
 #endif
         sg[2 * k] = (uint8_t)signs;
         sg[2 * k + 1] = (uint8_t)(signs >> 8);
@@ -188,12 +136,12 @@ static void split(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *re
  * plane, bit 8 as a bit plane like the signs. `hi8` needs ceil(n/8) bytes. */
 static void split9(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *restrict sg, uint8_t *restrict low8,
                    uint8_t *restrict hi8, uint32_t *restrict sums) {
-    const u16u *x = (const u16u *)src;
+    const u16_unaligned *x = (const u16_unaligned *)src;
     memset(sums, 0, (n + BLOCK - 1) / BLOCK * sizeof *sums);
     memset(sg, 0, (n + 7) / 8);
     memset(hi8, 0, (n + 7) / 8);
     size_t i = 0;
-#ifdef KV3_SIMD
+#ifdef KVEC_SIMD
     for (; i + GROUP <= n; i += GROUP) {
         __builtin_prefetch(x + i + 1024);
         __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
@@ -226,7 +174,7 @@ static void split9(const uint8_t *src, size_t n, uint8_t *restrict e, uint8_t *r
  * not scattered blocks: a frame is cold, and only runs get prefetched): 9 when it costs less than 0.05 bits
  * per element (real KV, 1 MiB frames: fp16 0.014-0.027, bf16 0.20 and more). */
 static unsigned choose_low_bits(const uint8_t *src, size_t n) {
-    const u16u *x = (const u16u *)src;
+    const u16_unaligned *x = (const u16_unaligned *)src;
     enum { RUNS = 16, RUN = 1024 };
     uint32_t h8[256] = {0}, h6[64] = {0}, total = 0;
     for (size_t r = 0; r < RUNS; r++) {
@@ -299,7 +247,7 @@ int64_t kv3_encode(const uint8_t *src, size_t n_bytes, uint8_t *dst, size_t cap)
     const unsigned w = choose_low_bits(src, n);
     const size_t low_len = kv3_low_bytes(n, w);
     if (cap < V3_HEADER + low_len + 2 + (n_bytes & 1)) return ERR_CAPACITY;
-    uint8_t *buf = scratch(2 * n + sg_len + 2 * nb + nb * sizeof(uint32_t) + 64);
+    uint8_t *buf = kvec_scratch(2 * n + sg_len + 2 * nb + nb * sizeof(uint32_t) + 64);
     if (!buf) return ERR_NOMEM;
     uint32_t *sums = (uint32_t *)buf;
     uint8_t *e = (uint8_t *)(sums + nb), *by_class = e + n + 16, *sg = by_class + n, *cls = sg + sg_len + 8;
@@ -351,34 +299,11 @@ int64_t kv3_encode(const uint8_t *src, size_t n_bytes, uint8_t *dst, size_t cap)
 
 /* ---- decoder ---- */
 
-/* x for 16 elements from their e bytes, 16 sign bits and 14 packed low bytes (read as 16: 2 bytes of slack). */
-static inline void join16(const uint8_t *restrict e, uint32_t signs, const uint8_t *restrict lp, u16u *restrict out) {
-#ifdef KV3_SIMD
-    __m128i lb = _mm_loadu_si128((const __m128i *)lp);
-    uint32_t top = (uint32_t)_mm_movemask_epi8(lb) & 0x3FFF;
-    __m128i mv = _mm_and_si128(lb, _mm_set1_epi8(0x7F));
-    mv = _mm_insert_epi16(mv, (int)((top & 0x7F) | (top >> 7) << 8), 7);
-    __m128i ev = _mm_loadu_si128((const __m128i *)e);
-    const __m128i sv = _mm_and_si128(bits_to_bytes(signs), _mm_set1_epi8((char)0x80));
-    __m128i lo = _mm_or_si128(mv, _mm_and_si128(_mm_slli_epi16(ev, 7), _mm_set1_epi8((char)0x80)));
-    __m128i hi = _mm_or_si128(sv, _mm_and_si128(_mm_srli_epi16(ev, 1), _mm_set1_epi8(0x7F)));
-    _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lo, hi));
-    _mm_storeu_si128((__m128i *)(out + 8), _mm_unpackhi_epi8(lo, hi));
-#else
-    uint32_t top = 0;
-    for (int j = 0; j < 14; j++) top |= (uint32_t)(lp[j] >> 7) << j;
-    for (int j = 0; j < GROUP; j++) {
-        const uint32_t mv = j < 14 ? lp[j] & 0x7F : j == 14 ? top & 0x7F : top >> 7;
-        out[j] = (uint16_t)(((signs >> j) & 1) << 15 | (uint32_t)e[j] << 7 | mv);
-    }
-#endif
-}
-
 /* The 9-low-bit layout: x from 16 e bytes (< 64), 16 sign bits, 16 bits of bit 8 and 16 low bytes. 0, or -1 when
  * an e value does not fit in 6 bits. */
 static inline int join16_9(const uint8_t *restrict e, uint32_t signs, uint32_t hi, const uint8_t *restrict low8,
-                           u16u *restrict out) {
-#ifdef KV3_SIMD
+                           u16_unaligned *restrict out) {
+#ifdef KVEC_SIMD
     const __m128i ev = _mm_loadu_si128((const __m128i *)e), lv = _mm_loadu_si128((const __m128i *)low8);
     const __m128i sv = _mm_and_si128(bits_to_bytes(signs), _mm_set1_epi8((char)0x80));
     const __m128i hv = _mm_and_si128(bits_to_bytes(hi), _mm_set1_epi8(1));
@@ -404,7 +329,7 @@ static inline int join16_9(const uint8_t *restrict e, uint32_t signs, uint32_t h
  * 4 groups are spread to 16 lanes each by one byte permute; the top bits of each group's 14 bytes become
  * its elements 14 and 15 by pext (the 4 x 14 top bits) and pdep (7 bits per byte). */
 __attribute__((target("avx512f,avx512bw,avx512vbmi,bmi,bmi2")))
-static void join64_avx512(const uint8_t *restrict e, uint64_t signs, const uint8_t *restrict lp, u16u *restrict out) {
+static void join64_avx512(const uint8_t *restrict e, uint64_t signs, const uint8_t *restrict lp, u16_unaligned *restrict out) {
     const __m512i spread = _mm512_set_epi8(
         0, 0, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
         0, 0, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28,
@@ -432,7 +357,7 @@ static void join64_avx512(const uint8_t *restrict e, uint64_t signs, const uint8
 
 __attribute__((target("avx512f,avx512bw")))
 static int join64_9_avx512(const uint8_t *restrict e, uint64_t signs, uint64_t hi, const uint8_t *restrict low8,
-                           u16u *restrict out) {
+                           u16_unaligned *restrict out) {
     const __m512i ev = _mm512_loadu_si512(e), lv = _mm512_loadu_si512(low8);
     for (int h = 0; h < 2; h++) {
         const __m512i eh = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(ev, 1) : _mm512_castsi512_si256(ev));
@@ -465,7 +390,7 @@ static inline const uint8_t *block_exponents(const uint8_t *by_class, size_t *po
 }
 
 static int join_blocks7(const uint8_t *by_class, const size_t *start, const uint8_t *cls, const uint8_t *sg,
-                        const uint8_t *low, size_t n, u16u *out) {
+                        const uint8_t *low, size_t n, u16_unaligned *out) {
     const size_t nb = (n + BLOCK - 1) / BLOCK, whole = n / GROUP * GROUP;
     size_t pos[KV3_MAX_CLASSES];
     memcpy(pos, start, sizeof pos);
@@ -500,7 +425,7 @@ static int join_blocks7(const uint8_t *by_class, const size_t *start, const uint
 }
 
 static int join_blocks9(const uint8_t *by_class, const size_t *start, const uint8_t *cls, const uint8_t *sg,
-                        const uint8_t *low, size_t n, u16u *out) {
+                        const uint8_t *low, size_t n, u16_unaligned *out) {
     const size_t nb = (n + BLOCK - 1) / BLOCK, whole = n / GROUP * GROUP;
     const uint8_t *hi8 = low + n;
     size_t pos[KV3_MAX_CLASSES];
@@ -551,7 +476,7 @@ int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes)
     if (off > src_len) return ERR_FORMAT;
     const uint8_t *low = src + V3_HEADER;
 
-    uint8_t *buf = scratch(n + 16 + sg_len + 8 + nb + 16);
+    uint8_t *buf = kvec_scratch(n + 16 + sg_len + 8 + nb + 16);
     if (!buf) return ERR_NOMEM;
     uint8_t *by_class = buf, *sg = by_class + n + 16, *cls = sg + sg_len + 8;
 
@@ -578,8 +503,8 @@ int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes)
     if (w == 9 && n % 8 && low[n + n / 8] >> (n % 8)) return ERR_FORMAT;  /* and those of bit 8 */
 
     /* each block's exponents from its class's stream, joined with its signs and low bits */
-    int rc = w == 7 ? join_blocks7(by_class, start, cls, sg, low, n, (u16u *)dst)
-                    : join_blocks9(by_class, start, cls, sg, low, n, (u16u *)dst);
+    int rc = w == 7 ? join_blocks7(by_class, start, cls, sg, low, n, (u16_unaligned *)dst)
+                    : join_blocks9(by_class, start, cls, sg, low, n, (u16_unaligned *)dst);
     if (rc) return rc;
     if (tail) dst[n_bytes - 1] = src[V3_HEADER + low_len];
     return 0;

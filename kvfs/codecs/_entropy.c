@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "_classes.h"
+#include "_planes.h"
 
 #define VERSION_R 1      /* r stored raw */
 #define VERSION_SIGNS 2  /* signs coded, low bits packed (stride 1 only) */
@@ -38,12 +39,6 @@
 #define SIGN_LEN 8        /* longest sign code; sign decode tables have 1 << SIGN_LEN entries */
 #define ALIGN 16          /* version 2: streams start at multiples of 16 elements (one packed low-bit group) */
 
-#if defined(__SSE2__) && !defined(KVEC_NO_SIMD)
-#include <emmintrin.h>
-#define KVEC_SIMD 1
-#endif
-
-typedef uint16_t u16_unaligned __attribute__((aligned(1), may_alias));
 typedef uint32_t u32_unaligned __attribute__((aligned(1), may_alias));
 
 enum { KVEC_ERR_CAPACITY = -1, KVEC_ERR_FORMAT = -2, KVEC_ERR_STREAM = -3, KVEC_ERR_ARGS = -4,
@@ -63,12 +58,9 @@ static uint8_t *grow(scratch_t *sc, size_t n) {
     return sc->buf;
 }
 
-static uint8_t *scratch(size_t n) { return grow(&planes_scratch, n); }
+uint8_t *kvec_scratch(size_t n) { return grow(&planes_scratch, n); }
+static uint8_t *scratch(size_t n) { return kvec_scratch(n); }
 
-static inline void put_u32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24; }
-static inline uint32_t get_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
 static inline uint64_t load_be64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
@@ -149,20 +141,6 @@ static inline size_t stream_start(const params_t *p, int s) {
     return p->n * (size_t)s / (size_t)p->n_streams;
 }
 
-/* Version 2's low-bit section: 14 bytes per 16 elements, then one byte per remaining element. */
-static inline size_t packed_low_bytes(size_t n) { return n / ALIGN * 14 + n % ALIGN; }
-
-#ifdef KVEC_SIMD
-/* 16 bits -> 16 bytes, byte j = 0x80 when bit j is set. */
-static inline __m128i spread_bits(uint32_t bits) {
-    const __m128i sel = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
-    __m128i v = _mm_set_epi64x((int64_t)(((bits >> 8) & 0xFF) * 0x0101010101010101ull),
-                               (int64_t)((bits & 0xFF) * 0x0101010101010101ull));
-    v = _mm_cmpeq_epi8(_mm_and_si128(v, sel), sel);
-    return _mm_and_si128(v, _mm_set1_epi8((char)0x80));
-}
-#endif
-
 /* ---- encoder ---- */
 
 /* Set bits of a byte (no popcnt instruction in baseline x86-64: the builtin would be a call). */
@@ -189,30 +167,7 @@ static void split_signs(const uint8_t *src, const params_t *p, uint8_t *restrict
     for (size_t k = 0; k < groups; k++) {
         const size_t i = k * ALIGN;
         if (i == next_start) { prev = 0; next_start = stream_start(p, ++s); }
-        uint32_t signs;
-#ifdef KVEC_SIMD
-        __m128i a = _mm_loadu_si128((const __m128i *)(x + i)), b = _mm_loadu_si128((const __m128i *)(x + i + 8));
-        const __m128i byte = _mm_set1_epi16(0xFF), seven = _mm_set1_epi16(0x7F);
-        __m128i ev = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(a, 7), byte),
-                                      _mm_and_si128(_mm_srli_epi16(b, 7), byte));
-        __m128i mv = _mm_packus_epi16(_mm_and_si128(a, seven), _mm_and_si128(b, seven));
-        signs = (uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, b));
-        uint32_t top = (uint32_t)_mm_extract_epi16(mv, 7);
-        uint32_t extra = (top & 0x7F) | ((top >> 8) & 0x7F) << 7;
-        _mm_storeu_si128((__m128i *)(e + i), ev);
-        _mm_storeu_si128((__m128i *)(low + k * 14), _mm_or_si128(mv, spread_bits(extra)));
-#else
-        uint8_t m[ALIGN];
-        signs = 0;
-        for (int j = 0; j < ALIGN; j++) {
-            uint32_t v = x[i + j];
-            e[i + j] = (uint8_t)(v >> 7);
-            m[j] = (uint8_t)(v & 0x7F);
-            signs |= (v >> 15) << j;
-        }
-        uint32_t extra = m[14] | (uint32_t)m[15] << 7;
-        for (int j = 0; j < 14; j++) low[k * 14 + j] = (uint8_t)(m[j] | ((extra >> j) & 1) << 7);
-#endif
+        const uint32_t signs = split16(x + i, e + i, low + k * 14);
         const uint32_t w = prev >> 8 | signs << 8;  /* bits 0..7: the two quads before quad 0 */
         for (int t = 0; t < 4; t++) sym[i / 4 + t] = sign_symbol(w >> (4 * t));
         prev = signs;
@@ -793,25 +748,7 @@ static void join_signs(const uint8_t *restrict e, const uint8_t *restrict q, con
     for (; i + ALIGN <= b && i + ALIGN <= full; i += ALIGN) {
         const uint32_t qw = get_u32(q + i / 4);
         const uint32_t signs = (qw & 0xF) | (qw >> 4 & 0xF0) | (qw >> 8 & 0xF00) | (qw >> 12 & 0xF000);
-        const uint8_t *lp = low + i / ALIGN * 14;
-#ifdef KVEC_SIMD
-        __m128i lb = _mm_loadu_si128((const __m128i *)lp);  /* 2 bytes past the group: still in the payload */
-        uint32_t top = (uint32_t)_mm_movemask_epi8(lb) & 0x3FFF;
-        __m128i mv = _mm_and_si128(lb, _mm_set1_epi8(0x7F));
-        mv = _mm_insert_epi16(mv, (int)((top & 0x7F) | (top >> 7) << 8), 7);
-        __m128i ev = _mm_loadu_si128((const __m128i *)(e + i));
-        __m128i lo = _mm_or_si128(mv, _mm_and_si128(_mm_slli_epi16(ev, 7), _mm_set1_epi8((char)0x80)));
-        __m128i hi = _mm_or_si128(spread_bits(signs), _mm_and_si128(_mm_srli_epi16(ev, 1), _mm_set1_epi8(0x7F)));
-        _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi8(lo, hi));
-        _mm_storeu_si128((__m128i *)(out + i + 8), _mm_unpackhi_epi8(lo, hi));
-#else
-        uint32_t top = 0;
-        for (int j = 0; j < 14; j++) top |= (uint32_t)(lp[j] >> 7) << j;
-        for (int j = 0; j < ALIGN; j++) {
-            uint32_t mv = j < 14 ? lp[j] & 0x7F : j == 14 ? top & 0x7F : top >> 7;
-            out[i + j] = (uint16_t)(((signs >> j) & 1) << 15 | (uint32_t)e[i + j] << 7 | mv);
-        }
-#endif
+        join16(e + i, signs, low + i / ALIGN * 14, out + i);
     }
     for (; i < b; i++) {  /* the last stream's elements past the last whole group of 16 */
         uint32_t mv = low[full / ALIGN * 14 + (i - full)] & 0x7F;
