@@ -235,15 +235,17 @@ def test_versions_written_by_frame_size_and_stride():
     small = frame[:65_534]
     assert round_trip(small, 1)[0] == 2 and round_trip(small, 64)[0] == 1
     assert round_trip(frame[:65_536], 1)[0] == 3
-    for version in (1, 2, 3):  # any version can be asked for (benchmarks compare them); all decode
-        for data in (frame, small):
-            payload = entropy.encode(data, 1, version=version)
+    for version, stride in ((1, 64), (2, 1), (3, 1), (3, 64)):  # versions can be asked for (benchmarks
+        for data in (frame, small, frame[:65_535]):                # compare them); all decode
+            payload = entropy.encode(data, stride, version=version)
             assert payload[0] == version
             out = bytearray(len(data))
             entropy.decode_into(payload, out)
             assert bytes(out) == data
     with pytest.raises(codecs.CodecError):
         entropy.encode(frame, 64, version=2)  # version 2 is for stride 1 only
+    with pytest.raises(codecs.CodecError):
+        entropy.encode(frame, 1, version=1)  # version 1 is written for strides above 1 only
 
 
 def test_version_3_keeps_9_low_bits_of_fp16_and_7_of_bf16():

@@ -422,11 +422,13 @@ int64_t kvec_encode(const uint8_t *src, size_t n_bytes, int stride, int window_l
 }
 
 /* `version` 0: what kvfs writes (3 for frames of KV3_MIN_BYTES and more, else 2 for stride 1, 1 otherwise);
- * 1-3 force one (benchmarks and tests compare them on the same frames; 2 needs stride 1). */
+ * 1-3 force one (benchmarks and tests compare them on the same frames). Version 2 needs stride 1 and version
+ * 1 a stride above 1: its stride-1 contexts (groups of 4, format.md) are only decoded, no longer written. */
 int64_t kvec_encode_version(const uint8_t *src, size_t n_bytes, int stride, int window_log, uint8_t *dst,
                             size_t cap, int version) {
     if (stride < 1 || stride > MAX_STRIDE || window_log < 2 || window_log > 5 || n_bytes / 2 > 0xFFFFFFFFu ||
-        version < 0 || version > KV3_VERSION || (version == VERSION_SIGNS && stride != 1))
+        version < 0 || version > KV3_VERSION || (version == VERSION_SIGNS && stride != 1) ||
+        (version == VERSION_R && stride == 1))
         return KVEC_ERR_ARGS;
     if (version == KV3_VERSION || (version == 0 && n_bytes >= KV3_MIN_BYTES)) {
         if (n_bytes < 2) return KVEC_ERR_ARGS;
