@@ -345,21 +345,35 @@ def test_version_3_rejects_every_truncation_and_header_change():
         raise AssertionError(f"header byte {pos} changed and still decoded")
 
 
+PORTABLE = ["-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM"]  # no SSE2, no huff0 assembly: any C11 compiler
+SSE2_ONLY = ["-DKV3_NO_AVX512"]  # as on an x86-64 CPU without AVX-512
+
+
+def build_kernel(out: Path, flags: list[str], *options: str, extra_sources: tuple[Path, ...] = ()) -> Path:
+    """Compile the kernel's sources (kvfs/codecs/kernel_sources.py, as setup.py does) with `flags` and
+    `options` into `out`; huff0's x86-64 assembly joins them unless ZSTD_DISABLE_ASM is set."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler builds the kernel; it must be here"
+    sources = runpy.run_path(str(ROOT / "kvfs/codecs/kernel_sources.py"))
+    flags = list(flags)
+    asm = []
+    if "-DZSTD_DISABLE_ASM" not in flags:
+        if platform.machine() == "x86_64":
+            asm = [sources["X86_64_ASM"]]
+        else:
+            flags.append("-DZSTD_DISABLE_ASM")
+    subprocess.run([compiler, "-std=c11", *options, *flags, *[str(ROOT / s) for s in sources["C_SOURCES"] + asm],
+                    *map(str, extra_sources), "-lm", "-o", str(out)], check=True)
+    return out
+
+
 def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
     """The kernel built without SIMD and without huff0's assembly (as on a machine without SSE2, or not
     x86-64), and with SSE2 but without the AVX-512 join (as on a CPU without it), writes byte-identical
     payloads and decodes what the installed build wrote, and the other way round."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    assert compiler, "a C compiler builds the kernel; it must be here"
-    sources = runpy.run_path(str(ROOT / "kvfs/codecs/kernel_sources.py"))
-    c_sources = sources["C_SOURCES"]
-    huf0_asm = [sources["X86_64_ASM"]] if platform.machine() == "x86_64" else ["-DZSTD_DISABLE_ASM"]
-    builds = {"portable.so": ["-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM"], "sse2.so": ["-DKV3_NO_AVX512", *huf0_asm]}
-    for name, flags in builds.items():
-        subprocess.run([compiler, "-O2", "-std=c11", "-shared", "-fPIC", *[str(ROOT / src) for src in c_sources],
-                        *[flag if flag.startswith("-") else str(ROOT / flag) for flag in flags], "-lm", "-o", str(tmp_path / name)],
-                       check=True)
-    libs = [entropy._lib] + [ctypes.CDLL(str(tmp_path / name)) for name in builds]
+    builds = [build_kernel(tmp_path / "portable.so", PORTABLE, "-O2", "-shared", "-fPIC"),
+              build_kernel(tmp_path / "sse2.so", SSE2_ONLY, "-O2", "-shared", "-fPIC")]
+    libs = [entropy._lib] + [ctypes.CDLL(str(path)) for path in builds]
     for lib in libs[1:]:
         lib.kvec_encode.restype = ctypes.c_int64
         lib.kvec_encode.argtypes = entropy._lib.kvec_encode.argtypes
@@ -385,19 +399,14 @@ def test_portable_kernel_writes_and_reads_the_same_bytes(tmp_path):
                 assert dec.tobytes() == data
 
 
-@pytest.mark.parametrize("build", [[], ["-DKV3_NO_AVX512"], ["-DKVEC_NO_SIMD", "-DZSTD_DISABLE_ASM"]],
-                         ids=["installed", "sse2", "portable"])
+@pytest.mark.parametrize("build", [[], SSE2_ONLY, PORTABLE], ids=["installed", "sse2", "portable"])
 def test_kernel_under_sanitizers_never_reads_past_a_corrupt_payload(tmp_path, build):
     """tests/fuzz_entropy.c, built with AddressSanitizer and UBSan around the kernel's sources: 1,200 corrupt
     payloads of real bf16, fp16 and connector-chunk frames (version 3, both low-bit layouts) are each rejected
     or decoded without a byte read or written out of bounds; the round trips before them are exact."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    sources = runpy.run_path(str(ROOT / "kvfs/codecs/kernel_sources.py"))
-    asm = [sources["X86_64_ASM"]] if platform.machine() == "x86_64" and "-DZSTD_DISABLE_ASM" not in build else []
-    exe = tmp_path / "fuzz"
-    subprocess.run([compiler, "-O1", "-g", "-std=c11", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    "-fno-omit-frame-pointer", *build, *[str(ROOT / s) for s in sources["C_SOURCES"] + asm],
-                    str(Path(__file__).with_name("fuzz_entropy.c")), "-lm", "-o", str(exe)], check=True)
+    exe = build_kernel(tmp_path / "fuzz", build, "-O1", "-g", "-fsanitize=address,undefined",
+                       "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+                       extra_sources=(Path(__file__).with_name("fuzz_entropy.c"),))
     chunk = tmp_path / "chunk.kv"
     chunk.write_bytes(connector_chunk(kv_samples("bf16")[0].read_bytes())[0])
     files = [kv_samples("bf16")[0], kv_samples("fp16")[0], chunk]
