@@ -535,3 +535,89 @@ def test_moved_back_before_its_old_copy_is_deleted(make_mount, ceph):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # from L4, not the page cache
         os.close(fd)
         assert m.path(name).read_bytes() == data, name
+
+
+def test_direct_gets_match_the_client_on_awkward_keys(ceph):
+    """L4's GETs skip the client's per-call work (kvfs/tiers/s3_get.py) but must fetch what the client fetches:
+    whole objects and ranges, keys with spaces, '+', '%', unicode; a missing key and a range past the end
+    are the store's own errors, sorted as the client's are."""
+    from botocore.exceptions import ClientError
+
+    from kvfs.tiers.s3 import S3Tier
+
+    env = ceph.env
+    location = S3Location.parse_url(f"s3://kvfs-test/direct-{uuid.uuid4().hex[:8]}",
+                                    endpoint_url=env["AWS_ENDPOINT_URL"], region="us-east-1",
+                                    access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                    secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    tier = S3Tier("L4", location, 1 << 30)
+    assert tier._direct is not None
+    s3 = s3_client(ceph)
+    data = sample_bytes(7)
+    for object_id in ("files/a b/c+d%20e.kv", "files/ünï/кв ☃.kv", "files/x~y/(1)&[2].kv", "0000000000001a-1"):
+        key = tier._key(object_id)
+        s3.put_object(Bucket="kvfs-test", Key=key, Body=data)
+        assert tier._direct.get(key) == s3.get_object(Bucket="kvfs-test", Key=key)["Body"].read() == data
+        assert tier.read(object_id, 12_345, 100_000) == data[12_345:112_345]
+        assert tier.read(object_id, len(data) - 10, 100) == data[-10:]  # a range running past the end: what is
+        assert tier.read(object_id, len(data) + 5, 100) == b""  # there; starting past it: nothing
+        assert b"".join(tier.chunks(object_id, len(data))) == data
+    with pytest.raises(ClientError) as e:
+        tier._direct.get(tier._key("files/absent.kv"))
+    assert e.value.response["Error"]["Code"] == "NoSuchKey"
+    with pytest.raises(FileNotFoundError):
+        tier.read("files/absent.kv", 0, 10)
+    assert tier.stats()["failures"] == 0  # answers from the store, not failures of it
+
+
+def test_direct_gets_retry_what_the_store_asks_to_and_report_the_rest():
+    """A real HTTP server answering 503 SlowDown first, then the object: the GET is retried and succeeds;
+    a 403 is not retried and keeps its code; a server that keeps failing gives up after `attempts`."""
+    import http.server
+    import threading
+
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    from kvfs.tiers.s3_get import DirectGet
+
+    answers: list[tuple[int, bytes]] = []
+    seen: list[dict] = []
+
+    class Store(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append(dict(self.headers))
+            status, body = answers.pop(0) if answers else (200, b"the object")
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        session = boto3.session.Session(aws_access_key_id="AK", aws_secret_access_key="SK", region_name="us-east-1")
+        client = session.client("s3", endpoint_url=f"http://127.0.0.1:{server.server_port}",
+                                config=Config(s3={"addressing_style": "path"}))
+        get = DirectGet(client, session.get_credentials(), "bucket", attempts=3)
+        error = b"<Error><Code>%s</Code></Error>"
+        answers[:] = [(503, error % b"SlowDown"), (500, error % b"InternalError")]
+        assert get.get("k") == b"the object"
+        assert len(seen) == 3 and seen[-1]["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AK/")
+        seen.clear()
+        answers[:] = [(403, error % b"AccessDenied")]
+        with pytest.raises(ClientError) as e:
+            get.get("k", 5, 9)
+        assert e.value.response["Error"]["Code"] == "AccessDenied" and len(seen) == 1
+        assert seen[0]["Range"] == "bytes=5-9"
+        seen.clear()
+        answers[:] = [(503, error % b"SlowDown")] * 5
+        with pytest.raises(ClientError) as e:
+            get.get("k")
+        assert e.value.response["Error"]["Code"] == "SlowDown" and len(seen) == 3
+    finally:
+        server.shutdown()

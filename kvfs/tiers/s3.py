@@ -9,7 +9,8 @@ logical size, dtype, codec, lossy mode — so a listing or a HEAD tells what an 
   from the command line, never into logs (S3Location hides the secret from its repr).
 - Puts are atomic by the store's own semantics: a single PUT up to `multipart_threshold`, multipart above it
   (aborted on failure, so no partial object is ever visible). Reads are ranged GETs: only the frames a read
-  touches travel. A whole-object copy (promotion) is one streamed GET.
+  touches travel. A whole-object copy (promotion) is one GET. GETs skip the client's per-call machinery
+  (s3_get.DirectGet: botocore's signer on the client's own connections), the rest goes through the client.
 - Every call has a connect and read timeout and a bounded number of retries (botocore's standard mode).
   A missing object raises FileNotFoundError, like a local tier; any other failure OSError(EIO).
 """
@@ -25,12 +26,14 @@ from .. import format as fmt
 from .base import ObjectInfo, Tier
 from .breaker import Breaker
 from .directory import hash_shard
+from .s3_get import DirectGet
 
 OBJECTS = "objects"
 QUARANTINE = "quarantine"
 FILES = "files"  # a shared prefix: published files by path, <prefix>/files/<path in the mount>
 ACCESS = "access"  # a shared prefix: logs of reads, one object per flush per mount (kvfs gc reads them)
 META_PREFIX = "kvfs-"
+COPY_WHOLE_MAX = 64 << 20  # a copy fetches objects up to this size in one GET, bigger ones in ranged GETs of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,8 @@ class S3Tier(Tier):
     def __init__(self, name: str, location: S3Location, capacity: int) -> None:
         super().__init__(name, capacity, persistent=True)
         self.location = location
-        self.client = _client(location)
+        self.client, credentials = _client(location)
+        self._direct = _direct_get(self.client, credentials, location)
         self._base = f"{location.prefix}/{OBJECTS}/" if location.prefix else f"{OBJECTS}/"
         self._lock = threading.Lock()
         self.requests = {"get": 0, "put": 0, "head": 0, "delete": 0, "list": 0}
@@ -223,9 +227,7 @@ class S3Tier(Tier):
         if length <= 0:
             return b""
         try:
-            answer = self.client.get_object(Bucket=self.location.bucket, Key=self._key(object_id),
-                                            Range=f"bytes={offset}-{offset + length - 1}")
-            data = answer["Body"].read()
+            data = self._get(self._key(object_id), offset, offset + length - 1)
         except Exception as e:  # noqa: BLE001 - sorted below
             if _code(e) == "InvalidRange":
                 self._count("get")
@@ -235,15 +237,26 @@ class S3Tier(Tier):
         return data
 
     def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
-        """The whole object in one streamed GET (a promotion's copy)."""
-        try:
-            answer = self.client.get_object(Bucket=self.location.bucket, Key=self._key(object_id))
-            self._count("get")
-            for chunk in answer["Body"].iter_chunks(4 << 20):
-                self._count(into=len(chunk))
-                yield chunk
-        except Exception as e:  # noqa: BLE001
-            raise self._failure("get", object_id, e) from None
+        """The whole object (a promotion's copy): one GET up to COPY_WHOLE_MAX, else ranged GETs of that size
+        (the object is immutable: its pieces cannot come from different versions)."""
+        step = size if size <= COPY_WHOLE_MAX else COPY_WHOLE_MAX
+        offset = 0
+        while offset < size:
+            try:
+                chunk = self._get(self._key(object_id), offset, offset + step - 1) if step < size else \
+                    self._get(self._key(object_id))
+            except Exception as e:  # noqa: BLE001
+                if offset and _code(e) == "InvalidRange":
+                    self._count("get")
+                    return  # shorter than the index says: the caller reports it
+                raise self._failure("get", object_id, e) from None
+            self._count("get", into=len(chunk))
+            if not chunk:
+                return
+            yield chunk
+            offset += len(chunk)
+            if step == size:
+                return  # one whole GET: all there is, whatever its length
 
     def size_of(self, object_id: str) -> int | None:
         try:
@@ -309,6 +322,12 @@ class S3Tier(Tier):
         return {**doc, **self.breaker.stats()}
 
     # -- helpers -----------------------------------------------------------------------------------------
+    def _get(self, key: str, first: int | None = None, last: int | None = None) -> bytes:
+        if self._direct is not None:
+            return self._direct.get(key, first, last)
+        extra = {} if first is None else {"Range": f"bytes={first}-{last}"}
+        return self.client.get_object(Bucket=self.location.bucket, Key=key, **extra)["Body"].read()
+
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
         paginator = self.client.get_paginator("list_objects_v2")
         try:
@@ -398,6 +417,15 @@ def _metadata(head: bytes) -> dict[str, str]:
             f"{META_PREFIX}lossy": f"{h.lossy_mode}:{h.lossy_param}"}
 
 
+def _direct_get(client, credentials, location: S3Location) -> DirectGet | None:
+    """None when the client cannot presign (no credentials): GETs then go through the client, whose error
+    says what is missing."""
+    try:
+        return DirectGet(client, credentials, location.bucket, location.attempts)
+    except Exception:  # noqa: BLE001 - the client's own calls report the cause
+        return None
+
+
 def _client(location: S3Location):
     import boto3  # imported here: mounts without L4 do not pay boto3's import time
     from botocore.config import Config
@@ -413,7 +441,7 @@ def _client(location: S3Location):
                     s3={"addressing_style": "path" if path_style else "auto"},
                     max_pool_connections=16, request_checksum_calculation="when_required",
                     response_checksum_validation="when_required")
-    return session.client("s3", endpoint_url=endpoint, config=config)
+    return session.client("s3", endpoint_url=endpoint, config=config), session.get_credentials()
 
 
 def _configured_endpoint(session) -> str | None:
