@@ -890,6 +890,9 @@ class Operations(pyfuse3.Operations):
     async def forget_names(self, ino: int, names: list[tuple[int, bytes]]) -> None:
         """Make the kernel forget names of a dropped file, so the next lookup is a miss. Waits at most
         INVALIDATE_WAIT_S: a request holding the directory may be in the way (it finishes on its own)."""
+        if self.shared is not None:  # a miss the shared store answered before this node had the name (at its
+            for parent, name in names:  # creation) is stale now: the name may be published by another node
+                self.shared.forget_miss(parent, name)
         with trio.CancelScope(shield=True), trio.move_on_after(INVALIDATE_WAIT_S):
             for parent, name in names:
                 try:

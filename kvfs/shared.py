@@ -4,8 +4,9 @@ A file is published in the shared store under its path (`<prefix>/files/<path>`)
 there, by whoever is first (the mover's conditional PUT). Here, the other direction: a lookup of a name this
 mount does not know asks the store (HEAD for a file; a one-key LIST for a directory) and adopts what it finds
 as an index row pointing at the published object; readdir merges the store's listing. A miss is remembered
-for NEGATIVE_TTL_S, so a burst of stats of absent names costs one round trip each, not one per call. While
-the store is down, its names are simply not found (a miss, never a hang).
+for NEGATIVE_TTL_S, so a burst of stats of absent names costs one round trip each, not one per call; it is
+forgotten when this mount drops a file of that name (the miss was typically recorded at the file's creation,
+and the name may now be published: a publish conflict evicts the local file). While the store is down, its names are simply not found (a miss, never a hang).
 """
 
 from __future__ import annotations

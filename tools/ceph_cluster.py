@@ -182,7 +182,7 @@ mon_osd_min_down_reporters = 1
 mon_osd_down_out_interval = 0
 {store}
 [client.rgw.a]
-rgw_frontends = beast endpoint=127.0.0.1:{self.port}
+rgw_frontends = beast endpoint=127.0.0.1:{self.port} tcp_nodelay=1
 rgw_data = {r}/rgw
 rgw_dns_name = 127.0.0.1
 """
