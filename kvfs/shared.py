@@ -6,7 +6,8 @@ mount does not know asks the store (HEAD for a file; a one-key LIST for a direct
 as an index row pointing at the published object; readdir merges the store's listing. A miss is remembered
 for NEGATIVE_TTL_S, so a burst of stats of absent names costs one round trip each, not one per call; it is
 forgotten when this mount drops a file of that name (the miss was typically recorded at the file's creation,
-and the name may now be published: a publish conflict evicts the local file). While the store is down, its names are simply not found (a miss, never a hang).
+and the name may now be published: a publish conflict evicts the local file). While the store is down, its
+names are simply not found (a miss, never a hang).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ often the store share the cores. Everything else (PUTs, multipart, HEAD, LIST, D
 The URL is the one the client itself would use: the part before the key of a URL it presigns (path-style or
 virtual-host, custom endpoint or AWS's regional one). Failures come out as botocore's own exceptions
 (ClientError with the store's error code, EndpointConnectionError, ReadTimeoutError, ...; urllib3's for a
-body cut short), so the tier sorts them as it sorts the client's. Retries follow the client's attempts with exponential backoff and jitter, on
-what botocore's standard mode retries: connection failures, timeouts, 5xx, 429 and throttling codes.
+body cut short), so the tier sorts them as it sorts the client's. Retries follow the client's attempts with
+exponential backoff and jitter, on what botocore's standard mode retries: connection failures, timeouts, 5xx,
+429, and the throttling and request-timeout codes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from urllib3.exceptions import HTTPError as TransportError
 _PROBE = "kvfs-probe-key"
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                          "ServiceUnavailable", "RequestTimeTooSkewed"})
+                          "ServiceUnavailable", "RequestTimeoutException", "PriorRequestNotComplete"})
 _CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
 _BACKOFF_CAP_S = 2.0  # the call's deadline (Store.io) bounds the whole; no single sleep may take most of it
 
