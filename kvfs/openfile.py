@@ -550,6 +550,7 @@ class OpenFile:
                                      stored_bytes=new_ref.stored_bytes, codec=_summary_codec(frames),
                                      transform=transforms.NAMES[header.transform], mtime_ns=mtime)
             new_layout = Layout(header, entries)
+            self.store.keep_layout(new_ref, new_layout)  # the next open reads frames without loading the table
         self._publish(new_ref, new_layout, size)
         if old is not None:
             await self.store.delete(old)

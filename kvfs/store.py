@@ -148,7 +148,7 @@ class Store:
                 await self.io(dest.name, dest.delete, new_id)
             raise
         new_ref = ObjectRef(ref.ino, ref.gen, dest.name, size)
-        self._keep_layout(new_ref, self._layouts.get(ref) or layout)
+        self.keep_layout(new_ref, self._layouts.get(ref) or layout)
         return new_ref
 
     async def quarantine(self, ref: ObjectRef) -> str | None:
@@ -169,10 +169,10 @@ class Store:
         tier = self.tiers[ref.tier]
         layout, read = await self.io(ref.tier, _read_layout, tier, ref)
         self.read_bytes[ref.tier] += read
-        self._keep_layout(ref, layout)
+        self.keep_layout(ref, layout)
         return layout
 
-    def _keep_layout(self, ref: ObjectRef, layout: Layout | None) -> None:
+    def keep_layout(self, ref: ObjectRef, layout: Layout | None) -> None:
         if layout is None or ref.key is not None or ref in self._layouts:
             return  # a published object's name can be published again by another node, with other bytes
         self._layouts[ref] = layout
