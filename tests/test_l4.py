@@ -572,7 +572,8 @@ def test_direct_gets_match_the_client_on_awkward_keys(ceph):
 
 def test_direct_gets_retry_what_the_store_asks_to_and_report_the_rest():
     """A real HTTP server answering 503 SlowDown first, then the object: the GET is retried and succeeds;
-    a 403 is not retried and keeps its code; a server that keeps failing gives up after `attempts`."""
+    a 403 is not retried and keeps its code; a server that keeps failing gives up after `attempts`; a
+    redirect (a bucket in another region) sends the tier's GETs through the S3 client."""
     import http.server
     import threading
 
@@ -619,5 +620,17 @@ def test_direct_gets_retry_what_the_store_asks_to_and_report_the_rest():
         with pytest.raises(ClientError) as e:
             get.get("k")
         assert e.value.response["Error"]["Code"] == "SlowDown" and len(seen) == 3
+
+        # a bucket in another region (AWS answers 301): the tier's GETs go through the client, which follows
+        # a bucket's region, from then on
+        from kvfs.tiers.s3 import S3Tier
+
+        tier = S3Tier("L4", S3Location("bucket", endpoint_url=f"http://127.0.0.1:{server.server_port}",
+                                       region="us-east-1", access_key_id="AK", secret_access_key="SK"), 1 << 30)
+        assert tier._direct is not None
+        seen.clear()
+        answers[:] = [(301, error % b"PermanentRedirect")]
+        assert tier.read("0000000000000a-1", 0, 10) == b"the object"
+        assert tier._direct is None and len(seen) == 2
     finally:
         server.shutdown()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -27,6 +28,8 @@ from .base import ObjectInfo, Tier
 from .breaker import Breaker
 from .directory import hash_shard
 from .s3_get import DirectGet
+
+log = logging.getLogger(__name__)
 
 OBJECTS = "objects"
 QUARANTINE = "quarantine"
@@ -323,8 +326,16 @@ class S3Tier(Tier):
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _get(self, key: str, first: int | None = None, last: int | None = None) -> bytes:
-        if self._direct is not None:
-            return self._direct.get(key, first, last)
+        direct = self._direct
+        if direct is not None:
+            try:
+                return direct.get(key, first, last)
+            except Exception as e:  # noqa: BLE001 - only a redirect is handled here
+                if not _redirected(e):
+                    raise
+                self._direct = None  # the client follows a bucket's region; the direct path does not
+                log.warning("L4 %s answers from another region (%s): GETs go through the S3 client from now on "
+                            "(set the bucket's region to avoid the extra round trip)", self.location.url, _code(e))
         extra = {} if first is None else {"Range": f"bytes={first}-{last}"}
         return self.client.get_object(Bucket=self.location.bucket, Key=key, **extra)["Body"].read()
 
@@ -449,6 +460,13 @@ def _configured_endpoint(session) -> str | None:
 
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or \
         session._session.get_config_variable("endpoint_url")
+
+
+def _redirected(e: Exception) -> bool:
+    """The store sends this bucket's requests elsewhere (AWS: the bucket lives in another region)."""
+    status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status in (301, 307) or _code(e) in ("PermanentRedirect", "TemporaryRedirect",
+                                                "AuthorizationHeaderMalformed")
 
 
 def _code(e: Exception) -> str:

@@ -11,7 +11,8 @@ virtual-host, custom endpoint or AWS's regional one). Failures come out as botoc
 (ClientError with the store's error code, EndpointConnectionError, ReadTimeoutError, ...; urllib3's for a
 body cut short), so the tier sorts them as it sorts the client's. Retries follow the client's attempts with
 exponential backoff and jitter, on what botocore's standard mode retries: connection failures, timeouts, 5xx,
-429, and the throttling and request-timeout codes.
+429, and the throttling and request-timeout codes. A redirect (AWS: the bucket lives in another region
+than the one configured) is not followed here: the tier then sends its GETs through the client, which is.
 """
 
 from __future__ import annotations
