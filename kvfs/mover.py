@@ -272,12 +272,16 @@ class Mover:
         async with self.locks.holding(ino, wait) as held:
             if not held:
                 return False
-            self._moving += 1
-            try:
-                return await self._move_locked(ino, dest)
-            finally:
-                self._moving -= 1
-                self._moved_at = trio.current_time()
+            return await self._move_counted(ino, dest)
+
+    async def _move_counted(self, ino: int, dest: Tier) -> bool:
+        """A move under its file's lock, counted in flight while it runs (deletions wait for moves)."""
+        self._moving += 1
+        try:
+            return await self._move_locked(ino, dest)
+        finally:
+            self._moving -= 1
+            self._moved_at = trio.current_time()
 
     async def _move_locked(self, ino: int, dest: Tier) -> bool:
         row = self.index.get(ino)
@@ -534,12 +538,7 @@ class Mover:
             if not held:
                 busy.append(ino)
                 return
-            self._moving += 1
-            try:
-                await self._move_locked(ino, fastest)
-            finally:
-                self._moving -= 1
-                self._moved_at = trio.current_time()
+            await self._move_counted(ino, fastest)
 
     def prefetch(self, ino: int) -> bool:
         """Queue a promotion to the fastest tier (the caller does not wait). False if there is nothing to do."""

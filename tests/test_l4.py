@@ -537,7 +537,7 @@ def test_moved_back_before_its_old_copy_is_deleted(make_mount, ceph):
         assert m.path(name).read_bytes() == data, name
 
 
-def test_direct_gets_match_the_client_on_awkward_keys(ceph):
+def test_direct_gets_match_the_client_on_awkward_keys(ceph, monkeypatch):
     """L4's GETs skip the client's per-call work (kvfs/tiers/s3_get.py) but must fetch what the client fetches:
     whole objects and ranges, keys with spaces, '+', '%', unicode; a missing key and a range past the end
     are the store's own errors, sorted as the client's are."""
@@ -562,6 +562,10 @@ def test_direct_gets_match_the_client_on_awkward_keys(ceph):
         assert tier.read(object_id, len(data) - 10, 100) == data[-10:]  # a range running past the end: what is
         assert tier.read(object_id, len(data) + 5, 100) == b""  # there; starting past it: nothing
         assert b"".join(tier.chunks(object_id, len(data))) == data
+    with monkeypatch.context() as small:  # an object above COPY_WHOLE_MAX is copied by ranged GETs of it
+        small.setattr("kvfs.tiers.s3.COPY_WHOLE_MAX", 1 << 20)
+        pieces = list(tier.chunks(object_id, len(data)))
+        assert b"".join(pieces) == data and [len(p) for p in pieces[:-1]] == [1 << 20] * (len(pieces) - 1)
     with pytest.raises(ClientError) as e:
         tier._direct.get(tier._key("files/absent.kv"))
     assert e.value.response["Error"]["Code"] == "NoSuchKey"

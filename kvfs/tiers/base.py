@@ -84,7 +84,7 @@ class Tier(abc.ABC):
 
     def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
         """The object's bytes in pieces, for a copy; ends early when the object is shorter than `size`."""
-        return _chunks(self, object_id, size)
+        return chunks_by_reads(self, object_id, size)
 
     @abc.abstractmethod
     def read(self, object_id: str, offset: int, length: int) -> bytes:
@@ -136,10 +136,11 @@ def _keeping_head(chunks: Iterable[bytes], head: bytearray | None) -> Iterator[b
         yield chunk
 
 
-def _chunks(source: Tier, object_id: str, size: int) -> Iterator[bytes]:
+def chunks_by_reads(source: Tier, object_id: str, size: int, piece: int = COPY_CHUNK) -> Iterator[bytes]:
+    """The object's bytes by reads of `piece` bytes; ends early when it is shorter than `size`."""
     offset = 0
     while offset < size:
-        chunk = source.read(object_id, offset, min(COPY_CHUNK, size - offset))
+        chunk = source.read(object_id, offset, min(piece, size - offset))
         if not chunk:
             return
         yield chunk

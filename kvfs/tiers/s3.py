@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable, Iterator
 
 from .. import format as fmt
-from .base import ObjectInfo, Tier
+from .base import ObjectInfo, Tier, chunks_by_reads
 from .breaker import Breaker
 from .directory import hash_shard
 from .s3_get import DirectGet
@@ -242,24 +242,16 @@ class S3Tier(Tier):
     def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
         """The whole object (a promotion's copy): one GET up to COPY_WHOLE_MAX, else ranged GETs of that size
         (the object is immutable: its pieces cannot come from different versions)."""
-        step = size if size <= COPY_WHOLE_MAX else COPY_WHOLE_MAX
-        offset = 0
-        while offset < size:
-            try:
-                chunk = self._get(self._key(object_id), offset, offset + step - 1) if step < size else \
-                    self._get(self._key(object_id))
-            except Exception as e:  # noqa: BLE001
-                if offset and _code(e) == "InvalidRange":
-                    self._count("get")
-                    return  # shorter than the index says: the caller reports it
-                raise self._failure("get", object_id, e) from None
-            self._count("get", into=len(chunk))
-            if not chunk:
-                return
-            yield chunk
-            offset += len(chunk)
-            if step == size:
-                return  # one whole GET: all there is, whatever its length
+        if size > COPY_WHOLE_MAX:
+            yield from chunks_by_reads(self, object_id, size, COPY_WHOLE_MAX)
+            return
+        try:
+            whole = self._get(self._key(object_id))
+        except Exception as e:  # noqa: BLE001
+            raise self._failure("get", object_id, e) from None
+        self._count("get", into=len(whole))
+        if whole:
+            yield whole
 
     def size_of(self, object_id: str) -> int | None:
         try:
