@@ -16,8 +16,11 @@ Per round, on real KV files (tests/data/kv, or --data DIR of .kv files), with fr
              L2 is a tmpfs directory (--shm), as deployed. The deletions of the L4 copies (background, held back
              while moves run) finish before the next part starts. Then every file is read whole and checked.
   raw GET    the same objects fetched whole by boto3, 4 threads: all of them, and each promotion part's own
-             objects alone (the same bytes as that part moved, with the same tail of its last files in flight:
-             the promotion ratios are against these). Before each part, twice its bytes are written to the tmpfs
+             objects' bytes alone (their copies PUT above: a part's promotions delete its objects; the same
+             bytes as that part moved, with the same tail of its last files in flight: the promotion ratios are
+             against these), right beside that part: before it in even rounds, after
+             it (and its deletions) in odd ones, so that neither side always meets the store and the host
+             after the other's traffic. Before each promotion part, twice its bytes are written to the tmpfs
              L2 is on and deleted (warm_memory: this VM's balloon makes first writes into freed memory slow).
   CPU        per promotion part and its raw GET, the CPU seconds of the mover side (the kvfs daemon and this
              process's readers, or this process's boto3 threads) and of the store (RGW, OSD, mon, mgr; for a
@@ -246,29 +249,39 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
     cold["L4"] = [read_checked(m.mountpoint / n, d) for n, d in zip(names, files)]
     m.stop()
 
-    keys = [k for k, _ in l4_objects(s3, prefix)]
+    objects = l4_objects(s3, prefix)
+    keys = [k for k, _ in objects]
     get_s, put_s, raw_bytes = raw_get_put(s3, keys, f"{prefix}-raw")
     assert raw_bytes == stored and len(keys) == len(files)
     key_of = {parse_object_id(k.rpartition("/")[2])[0]: k for k in keys}
+    size_of = dict(objects)
     warm, measured = names[0], names[1:]  # the first promotion of a mount sets up its L4 client: not timed
     parts = {"read": measured[0::3], "direct": measured[1::3], "prefetch": measured[2::3]}
     raw_part, cpu, wall = {}, {}, {}  # cpu and wall by part: "read", …, and "raw read", …
-    for how, part in parts.items():
+
+    def raw_side(how: str) -> None:
         with CpuMeter(cluster, os.getpid()) as meter:
-            raw_part[how] = raw_get(s3, [key_of[inos[n]] for n in part])
+            raw_part[how] = raw_get(s3, [f"{prefix}-raw/{key_of[inos[n]]}" for n in parts[how]])
         cpu[f"raw {how}"], wall[f"raw {how}"] = meter.used, raw_part[how][0]
 
-    # promotion: read each file once with promotion on
+    # promotion: read each file once with promotion on; each part beside its raw GET, in turns (raw first in
+    # even rounds, kvfs first in odd ones), so that both meet the store and the host in the same state
     m.start("--l2", f"{l2}:2G", "--l3", f"{base / f'r{rnd}-l3'}:1M", "--promote", "always")
     time.sleep(SETTLE_S)  # the new mount's start-up work (its first mover pass, reconcile) is not a promotion
     first_byte(m.mountpoint / warm)  # a long-running daemon's client is warm (connections, botocore's models)
     wait_until(m, lambda s: not s["mover"]["moves_in_flight"] and not s["mover"]["deletions_in_flight"])
-    promote_s, t0, warm_s = {}, time.monotonic(), 0.0
+    promote_s, t0, aside_s = {}, time.monotonic(), 0.0
+    raw_first = rnd % 2 == 0
     for how, reader in (("read", first_byte), ("direct", direct_read), ("prefetch", None)):
+        if raw_first:
+            t_raw = time.monotonic()
+            raw_side(how)
+            aside_s += time.monotonic() - t_raw
         want = m.stats()["tiers"]["L2"]["files"] + len(parts[how])
         t_warm = time.monotonic()
-        warm_memory(shm, 2 * raw_part[how][1])  # the tmpfs L2 is on, beside L2 (not in it: kvfs owns that)
-        warm_s += time.monotonic() - t_warm
+        part_bytes = sum(size_of[key_of[inos[n]]] for n in parts[how])
+        warm_memory(shm, 2 * part_bytes)  # the tmpfs L2 is on, beside L2 (not in it: kvfs owns that)
+        aside_s += time.monotonic() - t_warm
         with CpuMeter(cluster, m.proc.pid, os.getpid()) as meter:
             start = time.time()
             if reader is None:
@@ -281,8 +294,12 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
         promote_s[how] = max(st["mover"]["last_move_unix"], readers_done) - start
         cpu[how], wall[how] = meter.used, promote_s[how]
         wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])  # the next part starts on a quiet store
+        if not raw_first:
+            t_raw = time.monotonic()
+            raw_side(how)
+            aside_s += time.monotonic() - t_raw
     t_clean, st = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
-    cleaned_s = t_clean - t0 - warm_s
+    cleaned_s = t_clean - t0 - aside_s
     for name, data in zip(names, files):
         read_checked(m.mountpoint / name, data)
     m.stop()
