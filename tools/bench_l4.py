@@ -256,7 +256,9 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
     key_of = {parse_object_id(k.rpartition("/")[2])[0]: k for k in keys}
     size_of = dict(objects)
     warm, measured = names[0], names[1:]  # the first promotion of a mount sets up its L4 client: not timed
-    parts = {"read": measured[0::3], "direct": measured[1::3], "prefetch": measured[2::3]}
+    third = len(measured) // 3  # consecutive thirds: kv_files cycles through the data's files, so each part
+    parts = {"read": measured[:third], "direct": measured[third:2 * third],  # holds the same mix of them
+             "prefetch": measured[2 * third:]}
     raw_part, cpu, wall = {}, {}, {}  # cpu and wall by part: "read", …, and "raw read", …
 
     def raw_side(how: str) -> None:
