@@ -18,9 +18,9 @@ Per round, on real KV files (tests/data/kv, or --data DIR of .kv files), with fr
   raw GET    the same objects fetched whole by boto3, 4 threads: all of them, and each promotion part's own
              objects' bytes alone (their copies PUT above: a part's promotions delete its objects; the same
              bytes as that part moved, with the same tail of its last files in flight: the promotion ratios are
-             against these), right beside that part: before it in even rounds, after
-             it (and its deletions) in odd ones, so that neither side always meets the store and the host
-             after the other's traffic. Before each promotion part, twice its bytes are written to the tmpfs
+             against these), right beside that part: before it in even rounds, after it (and its deletions)
+             in odd ones, so that neither side always meets the store and the host after the other's
+             traffic. Before each promotion part, twice its bytes are written to the tmpfs
              L2 is on and deleted (warm_memory: this VM's balloon makes first writes into freed memory slow).
   CPU        per promotion part and its raw GET, the CPU seconds of the mover side (the kvfs daemon and this
              process's readers, or this process's boto3 threads) and of the store (RGW, OSD, mon, mgr; for a
@@ -261,10 +261,13 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
              "prefetch": measured[2 * third:]}
     raw_part, cpu, wall = {}, {}, {}  # cpu and wall by part: "read", …, and "raw read", …
 
-    def raw_side(how: str) -> None:
+    def raw_side(how: str) -> float:
+        """The part's raw GET, measured; returns the seconds it took, set-up included."""
+        started = time.monotonic()
         with CpuMeter(cluster, os.getpid()) as meter:
             raw_part[how] = raw_get(s3, [f"{prefix}-raw/{key_of[inos[n]]}" for n in parts[how]])
         cpu[f"raw {how}"], wall[f"raw {how}"] = meter.used, raw_part[how][0]
+        return time.monotonic() - started
 
     # promotion: read each file once with promotion on; each part beside its raw GET, in turns (raw first in
     # even rounds, kvfs first in odd ones), so that both meet the store and the host in the same state
@@ -276,9 +279,7 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
     raw_first = rnd % 2 == 0
     for how, reader in (("read", first_byte), ("direct", direct_read), ("prefetch", None)):
         if raw_first:
-            t_raw = time.monotonic()
-            raw_side(how)
-            aside_s += time.monotonic() - t_raw
+            aside_s += raw_side(how)
         want = m.stats()["tiers"]["L2"]["files"] + len(parts[how])
         t_warm = time.monotonic()
         part_bytes = sum(size_of[key_of[inos[n]]] for n in parts[how])
@@ -297,9 +298,7 @@ def one_round(rnd: int, files: list[bytes], cluster: CephCluster, base: Path, sh
         cpu[how], wall[how] = meter.used, promote_s[how]
         wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])  # the next part starts on a quiet store
         if not raw_first:
-            t_raw = time.monotonic()
-            raw_side(how)
-            aside_s += time.monotonic() - t_raw
+            aside_s += raw_side(how)
     t_clean, st = wait_until(m, lambda s: not s["mover"]["deletions_in_flight"])
     cleaned_s = t_clean - t0 - aside_s
     for name, data in zip(names, files):
