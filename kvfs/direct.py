@@ -24,6 +24,7 @@ import ctypes.util
 import dataclasses
 import errno
 import os
+import threading
 
 from . import format as fmt
 
@@ -83,10 +84,10 @@ def locate(path: str | os.PathLike) -> Location | None:
 
 
 def read_object(loc: Location, offset: int = 0, length: int | None = None,
-                into: bytearray | None = None) -> bytearray | memoryview:
+                into=None) -> bytearray | memoryview:
     """Bytes [offset, offset+length) of the file whose object `loc` names, decoding only the frames they
-    touch; into the start of `into` where given (a reused buffer spares the page faults of a fresh one), and
-    then a view of it is returned. Raises Unavailable (object gone or unreadable) or fmt.CorruptObject (never
+    touch; into the start of `into` where given (any writable buffer: a reused one spares the page faults of
+    a fresh one, a pinned one lets a GPU copy it without staging), and then a view of it is returned. Raises Unavailable (object gone or unreadable) or fmt.CorruptObject (never
     returns those bytes)."""
     try:
         fd = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -139,7 +140,7 @@ def _decode_range(fd: int, header: fmt.Header, frames: list[fmt.FrameEntry], sta
         elif entry.codec == 0 and entry.transform == 0 and lo == i * F and hi - lo == entry.raw_len:
             _read_stored_frame(fd, entry, dest)  # stored raw: read in place, one checksum
         elif lo == i * F and hi - lo == entry.raw_len:  # a whole frame: decoded straight into the buffer
-            fmt.decode_frame_into(entry, _pread_exact(fd, entry.offset, entry.stored_len), dest)
+            fmt.decode_frame_into(entry, _pread_scratch(fd, entry.offset, entry.stored_len), dest)
         else:
             payload = _pread_exact(fd, entry.offset, entry.stored_len)
             dest[:] = memoryview(fmt.decode_frame(entry, payload)).cast("B")[lo - i * F:hi - i * F]
@@ -152,6 +153,20 @@ def _read_stored_frame(fd: int, entry: fmt.FrameEntry, dest: memoryview) -> None
     digest = fmt.xxh3(dest)
     if digest != entry.stored_xxh3 or digest != entry.raw_xxh3:
         raise fmt.CorruptObject("frame payload checksum mismatch")
+
+
+_local = threading.local()
+
+
+def _pread_scratch(fd: int, offset: int, length: int) -> memoryview:
+    """Like _pread_exact, into this thread's reused buffer (a fresh MB buffer costs a page fault per 4 KiB).
+    Valid until the thread's next call."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < length:
+        buf = _local.buf = bytearray(max(length, 1 << 20))
+    view = memoryview(buf)[:length]
+    _pread_into(fd, offset, view)
+    return view
 
 
 def _pread_exact(fd: int, offset: int, length: int) -> bytearray:

@@ -23,6 +23,8 @@ from connector_fakes import FakeRequest
 torch = pytest.importorskip("torch", reason="torch comes with tools/install_vllm.sh")
 from kvfs_connector import layout as layouts
 
+CPU_VEC = layouts.EngineLayout("CPU_ATTN", "vec")
+
 DESC = {"layout": "cpu-vec", "dtype": "bfloat16", "layers": 2}
 
 
@@ -210,7 +212,7 @@ def test_cpu_vec_layout_is_channel_major_and_inverts_bit_exactly():
     for layer, c in enumerate(caches):
         c[7] = real[layer]
         c[2] = torch.randn(c[2].shape, generator=gen).to(torch.bfloat16)
-    lay = layouts.choose(g, tuple(caches[0].shape[1:]), "cpu-vec")
+    lay = layouts.choose(g, tuple(caches[0].shape), CPU_VEC)
     payload = lay.gather(caches, [7, 2])
     p = payload.view(30, 2, 3, 64, 256)
     # K of layer 5, head 1, channel 10 over the chunk's first block = that row of K^T in block 7
@@ -235,7 +237,7 @@ def test_layout_refuses_a_cache_it_could_only_copy():
     """A paged cache that is not one contiguous tensor per layer cannot be viewed in block order: the layout
     raises instead of writing into a copy (which would drop the load silently)."""
     g = layouts.Geometry(num_layers=1, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.bfloat16)
-    lay = layouts.choose(g, (2, 4, 16), "cpu-vec")
+    lay = layouts.choose(g, (6, 2, 4, 16), CPU_VEC)
     strided = torch.zeros(6, 4, 2, 16, dtype=torch.bfloat16).transpose(1, 2)  # heads outside tokens in memory
     payload = torch.ones(lay.payload_elements, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="without a copy"):
@@ -245,17 +247,63 @@ def test_layout_refuses_a_cache_it_could_only_copy():
     assert big[:2, ..., ::2].eq(1).all() and not big[..., 1::2].any() and not big[2:].any()
 
 
-def test_block_bytes_layout_round_trip_with_special_values():
+def _special(t):
+    t[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 65504.0], dtype=t.dtype)
+
+
+@pytest.mark.parametrize("physical", ["NHD", "HND"])
+def test_token_kv_layout_is_channel_major_on_any_stride_order(physical):
+    """GPU backends' [blocks, heads, tokens, K|V] cache, held in either physical order (vLLM permutes strides):
+    the payload is channel-major K then V, and scatter inverts gather bit-exactly (NaN, inf, -0.0)."""
     g = layouts.Geometry(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.float16)
-    caches = [torch.randn(6, 4, 2, 2, 8).to(torch.float16) for _ in range(2)]  # some other engine's block shape
-    caches[1][3].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 65504.0], dtype=torch.float16)
-    lay = layouts.choose(g, tuple(caches[0].shape[1:]), "blocks:cuda-auto")
+    caches = []
+    for _ in range(2):
+        raw = torch.randn(6, 4, 2, 16) if physical == "NHD" else torch.randn(6, 2, 4, 16)
+        caches.append((raw.transpose(1, 2) if physical == "NHD" else raw).to(torch.float16))
+    assert tuple(caches[0].shape) == (6, 2, 4, 16)
+    _special(caches[1][3])
+    lay = layouts.choose(g, tuple(caches[0].shape), layouts.EngineLayout("FLASH_ATTN"))
+    assert lay.name == "token-kv"
+    payload = lay.gather(caches, [3, 1])
+    p = payload.view(2, 2, 2, 8, 2, 4)  # layer, kv, head, channel, block, token
+    assert torch.equal(p[1, 0, 1, 5, 0].view(torch.int16), caches[1][3, 1, :, 5].view(torch.int16))  # K
+    assert torch.equal(p[0, 1, 0, 2, 1].view(torch.int16), caches[0][1, 0, :, 8 + 2].view(torch.int16))  # V
+    out = [torch.zeros_like(c) for c in caches]
+    lay.scatter(out, payload, [0, 5], 0, 2)
+    for layer in range(2):
+        assert torch.equal(out[layer][0].view(torch.int16), caches[layer][3].view(torch.int16))
+        assert torch.equal(out[layer][5].view(torch.int16), caches[layer][1].view(torch.int16))
+    partial = [torch.zeros_like(c) for c in caches]
+    lay.scatter(partial, payload, [0, 5], 1, 2)
+    assert not partial[0][0].any() and torch.equal(partial[0][5], caches[0][1])
+
+
+def test_block_bytes_layout_round_trip_for_other_cpu_kernels():
+    g = layouts.Geometry(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.float16)
+    caches = [torch.randn(6, 2, 4, 16).to(torch.float16) for _ in range(2)]
+    _special(caches[1][3])
+    lay = layouts.choose(g, tuple(caches[0].shape), layouts.EngineLayout("CPU_ATTN", "amx"))
+    assert lay.name == "blocks:cpu-amx"
     payload = lay.gather(caches, [3, 1])
     out = [torch.zeros_like(c) for c in caches]
     lay.scatter(out, payload, [0, 5], 0, 2)
     for layer in range(2):
         assert torch.equal(out[layer][0].view(torch.int16), caches[layer][3].view(torch.int16))
         assert torch.equal(out[layer][5].view(torch.int16), caches[layer][1].view(torch.int16))
+
+
+@pytest.mark.parametrize("engine, shape, words", [
+    (layouts.EngineLayout("NEW_FANCY_ATTN", None, "0.99.0"), (6, 2, 4, 16), ["0.99.0", "NEW_FANCY_ATTN"]),
+    (layouts.EngineLayout("CPU_ATTN", None, "0.99.0"), (6, 2, 4, 16), ["0.99.0", "CPU_ATTN"]),
+    (layouts.EngineLayout("FLASH_ATTN", None, "0.99.0"), (2, 6, 4, 2, 8), ["0.99.0", "(2, 6, 4, 2, 8)"]),
+    (layouts.EngineLayout("FLASHINFER", None, "0.99.0"), (6, 4, 2, 16), ["0.99.0", "(6, 4, 2, 16)"]),
+])
+def test_unknown_layout_refuses_naming_version_and_layout(engine, shape, words):
+    """A backend the connector does not know, or a tensor whose shape is not its backend's: never a guess."""
+    g = layouts.Geometry(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.float16)
+    with pytest.raises(layouts.UnknownLayout) as err:
+        layouts.choose(g, shape, engine)
+    assert all(w in str(err.value) for w in words), err.value
 
 
 # -- planner --------------------------------------------------------------------------------------------------
@@ -341,127 +389,6 @@ def test_planner_without_decode_saves_and_with_existing_chunks(tmp_path):
     assert [s.first_token for s in saves] == [256]  # chunk 0 exists; chunk 2 would need decode tokens
 
 
-# -- worker side, on a plain directory ---------------------------------------------------------------------
-def _worker(tmp_path, layers=3):
-    from kvfs_connector.plan import SaveSpec
-    from kvfs_connector.worker import WorkerSide
-
-    g = layouts.Geometry(num_layers=layers, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8,
-                         dtype=torch.bfloat16)
-    caches = [torch.randn(10, 2, 4, 16).to(torch.bfloat16) for _ in range(layers)]
-    lay = layouts.choose(g, (2, 4, 16), "cpu-vec")
-    w = WorkerSide(lay, caches, {f"layer.{i}": i for i in range(layers)}, 0,
-                   MountGuard(str(tmp_path), require_mount=False), io_threads=2, max_pending_save_bytes=1 << 30)
-    tokens = list(range(300, 316))
-    spec = SaveSpec("r", [str(tmp_path / "ns" / "ab" / "ab01.kv")], 8, 8, chunkfile.token_digest(tokens), [5, 2])
-    return w, caches, spec, tokens
-
-
-def _load(w, spec, blocks, first=0, end=2):
-    from kvfs_connector.plan import LoadSpec
-
-    w.start_load([LoadSpec("r", spec.paths, spec.first_token, spec.n_tokens, spec.token_digest, blocks, first, end)])
-    for name in w.layer_index:
-        w.wait_layer(name)
-    w.finish_loads()
-    return w.take_failed_blocks()
-
-
-def test_worker_copies_out_before_returning_so_reused_blocks_cannot_leak(tmp_path, monkeypatch):
-    import threading
-
-    from kvfs_connector import files
-
-    w, caches, spec, _ = _worker(tmp_path)
-    original = [c.clone() for c in caches]
-    gate = threading.Event()
-    real_write = files.write_atomic
-    monkeypatch.setattr(files, "write_atomic", lambda *a: gate.wait(10) and real_write(*a))
-    w.save([spec])
-    for c in caches:  # vLLM hands blocks 5 and 2 to another request before the writer ran
-        c.fill_(7.0)
-    gate.set()
-    w.flush(10)
-    assert w.stats["saved_chunks"] == 1
-    assert os.getxattr(spec.paths[0], "user.kvfs.dtype") == b"bf16"
-    assert _load(w, spec, [0, 9]) == set()
-    for c, o in zip(caches, original):
-        assert torch.equal(c[0].view(torch.int16), o[5].view(torch.int16))
-        assert torch.equal(c[9].view(torch.int16), o[2].view(torch.int16))
-    w.save([spec])  # exists: skipped, not rewritten
-    w.flush(10)
-    assert w.stats["saves_existing"] == 1
-    w.shutdown()
-
-
-def test_worker_reports_vanished_foreign_and_damaged_chunks_as_load_errors(tmp_path):
-    import dataclasses
-
-    w, caches, spec, tokens = _worker(tmp_path)
-    w.save([spec])
-    w.flush(10)
-    path = spec.paths[0]
-    other = dataclasses.replace(spec, token_digest=chunkfile.token_digest(tokens[:-1] + [1]))
-    assert _load(w, other, [0, 1]) == {0, 1}  # another prefix's KV under this name: never used
-    assert _load(w, spec, [0, 1], first=1) == set()
-    raw = bytearray(open(path, "rb").read())
-    raw[-1] ^= 1
-    open(path, "wb").write(raw)
-    assert _load(w, spec, [3, 4]) == {3, 4}
-    os.unlink(path)
-    assert _load(w, spec, [3, 4], first=1) == {4}
-    assert w.stats["load_errors"] == 3
-    w.shutdown()
-
-
-def test_worker_loads_many_chunks_exactly_with_few_buffers(tmp_path):
-    """More loads in a step than readers and pooled buffers: every chunk lands in its own blocks, exactly,
-    step after step; a failed load writes nothing and gives its buffer back."""
-    import dataclasses
-
-    from kvfs_connector.plan import LoadSpec
-
-    w, caches, spec, tokens = _worker(tmp_path)
-    saved = []
-    for k, src in enumerate([[5, 2], [1, 3], [4, 6], [7, 8]]):  # four chunks with different contents
-        s = dataclasses.replace(spec, paths=[str(tmp_path / "ns" / "ab" / f"ab0{k}.kv")], block_ids=src,
-                                token_digest=chunkfile.token_digest(tokens + [k]))
-        w.save([s])
-        saved.append((s, [c[src].clone() for c in caches]))
-    w.flush(10)
-    w.warm_up().join(10)
-    for step in range(3):
-        for c in caches:
-            c.fill_(3.0)
-        specs = [LoadSpec("r", s.paths, s.first_token, s.n_tokens, s.token_digest, [2 * k, 2 * k + 1], 0, 2)
-                 for k, (s, _) in enumerate(saved)]
-        specs.append(LoadSpec("r", saved[0][0].paths, 8, 8, b"\0" * 16, [9, 9], 0, 1))  # foreign: refused
-        w.start_load(specs)
-        for name in w.layer_index:
-            w.wait_layer(name)
-        w.finish_loads()
-        assert w.take_failed_blocks() == {9}
-        for k, (_, expected) in enumerate(saved):
-            for layer, c in enumerate(caches):
-                assert torch.equal(c[[2 * k, 2 * k + 1]].view(torch.int16), expected[layer].view(torch.int16))
-        assert all(torch.equal(c[9], torch.full_like(c[9], 3.0)) for c in caches)  # untouched
-        assert len(w.file_buffers._free) == w.file_buffers.keep == 2
-    w.shutdown()
-
-
-def test_worker_load_missing_a_layer_is_a_load_error(tmp_path):
-    from kvfs_connector.plan import LoadSpec
-
-    w, caches, spec, _ = _worker(tmp_path)
-    w.save([spec])
-    w.flush(10)
-    w.start_load([LoadSpec("r", spec.paths, 8, 8, spec.token_digest, [0, 1], 0, 2)])
-    w.wait_layer("layer.0")  # layers 1 and 2 never asked for theirs before attention
-    w.finish_loads()
-    assert w.take_failed_blocks() == {0, 1}
-    w.shutdown()
-
-
 def test_unsupported_models_and_caches_are_named():
     """MLA, several KV-cache groups, sliding window, quantised KV: the connector disables itself (one log line)."""
     pytest.importorskip("vllm")
@@ -497,3 +424,24 @@ def test_mount_guard_only_a_gone_mount_turns_everything_into_misses(tmp_path):
     assert guard.usable()
     guard.failed(OSError(errno.ENOTCONN, "daemon died"))
     assert not guard.usable()
+
+
+@pytest.mark.parametrize("engine", [layouts.EngineLayout("FLASH_ATTN"), layouts.EngineLayout("CPU_ATTN", "amx")])
+def test_batched_scatter_equals_one_chunk_at_a_time(engine):
+    """The GPU copier scatters a batch of whole chunks with one call per layer: the same blocks, bit for bit,
+    as scattering each chunk on its own."""
+    g = layouts.Geometry(num_layers=3, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.bfloat16)
+    src = [torch.randn(12, 2, 4, 16).to(torch.bfloat16) for _ in range(3)]
+    lay = layouts.choose(g, tuple(src[0].shape), engine)
+    chunks = [([1, 7], [0, 5]), ([4, 2], [9, 3]), ([11, 0], [6, 8])]  # (from blocks, into blocks)
+    payloads = torch.cat([lay.gather(src, frm) for frm, _ in chunks])
+    one = [torch.zeros_like(c) for c in src]
+    for k, (_, into) in enumerate(chunks):
+        lay.scatter(one, payloads[k * lay.payload_elements:(k + 1) * lay.payload_elements], into, 0, 2)
+    batched = [torch.zeros_like(c) for c in src]
+    sources = lay.batch_sources(payloads, len(chunks))
+    ids = lay.index([i for _, into in chunks for i in into], torch.device("cpu"))
+    for layer, kv in enumerate(batched):
+        lay.scatter_batch_layer(kv, sources, layer, ids)
+    for a, b in zip(one, batched):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and a.any()

