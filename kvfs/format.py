@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from . import codecs
-from .codecs import transforms
+from .codecs import entropy, transforms
 
 MAGIC = b"KVFSOBJ\x00"
 VERSION = 1
@@ -73,7 +73,14 @@ class CorruptObject(Exception):
     """An object failed a structural or checksum test; its bytes must never be served."""
 
 
+GIL_FREE_HASH_MIN = 64 << 10  # below it, python-xxhash's call is cheaper than a ctypes call
+
+
 def xxh3(data) -> int:
+    """XXH3-64, seed 0. Large buffers are hashed by the codec kernel's xxHash through ctypes, without the
+    GIL: readers that verify megabytes in parallel threads (kvfs.direct, the connector) then hash in parallel."""
+    if len(memoryview(data).cast("B")) >= GIL_FREE_HASH_MIN:
+        return entropy.xxh3_64(data)
     return xxhash.xxh3_64_intdigest(data)
 
 

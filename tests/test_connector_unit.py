@@ -375,6 +375,30 @@ def test_planner_saves_prefill_and_decode_chunks_once(tmp_path):
     assert saves == []  # never twice
 
 
+@pytest.mark.parametrize("version", ["0.32", "0.34"])
+def test_planner_preempted_and_resumed_in_one_step_saves_from_the_new_blocks(tmp_path, version):
+    """0.32 resumes a preempted request in scheduled_cached_reqs (resumed_req_ids), 0.34 in scheduled_new_reqs
+    (no resumed_req_ids field at all). Either way, in the step that preempts and resumes it, the chunk it
+    completes is saved from its new blocks."""
+    p = _planner(tmp_path)
+    req = FakeRequest("a", list(range(7000, 7600)), 600)
+    p.lookup(req, 0)
+    p.allocated(req, [1, 2, 3], 0)
+    so = types.SimpleNamespace(scheduled_new_reqs=[_new(req, [1, 2, 3], 0)], scheduled_cached_reqs=_no_cached(),
+                               preempted_req_ids=set(), num_scheduled_tokens={"a": 300})
+    assert [s.block_ids for s in p.step(so)[1]] == [[1, 2]]
+    if version == "0.32":
+        cached = types.SimpleNamespace(req_ids=["a"], resumed_req_ids={"a"}, new_block_ids=[([8, 9, 10, 11],)],
+                                       num_computed_tokens=[300])
+        new = []
+    else:
+        cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+        new = [_new(req, [8, 9, 10, 11], 300)]
+    so = types.SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, preempted_req_ids={"a"},
+                               num_scheduled_tokens={"a": 212})
+    assert [(s.first_token, s.block_ids) for s in p.step(so)[1]] == [(256, [10, 11])]
+
+
 def test_planner_without_decode_saves_and_with_existing_chunks(tmp_path):
     p = _planner(tmp_path, save_decode=False)
     req = FakeRequest("b", list(range(800)), 700)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+from kvfs import format as kvfs_format  # xxh3 of large buffers without the GIL
 
 MAGIC = b"KVFSCHK\x00"
 VERSION = 1
@@ -105,8 +106,7 @@ def build(first_token: int, n_tokens: int, tokens_digest: bytes, descriptor: dic
 
     tokens_digest is token_digest() of the token ids from 0 to the end of the chunk."""
     payload = memoryview(payload).cast("B")
-    header = ChunkHeader(first_token, n_tokens, tokens_digest, descriptor, len(payload),
-                         xxhash.xxh3_64_intdigest(payload))
+    header = ChunkHeader(first_token, n_tokens, tokens_digest, descriptor, len(payload), kvfs_format.xxh3(payload))
     return [header.pack(), payload]
 
 
@@ -128,6 +128,6 @@ def verify(buf: bytes | bytearray | memoryview, *, first_token: int, n_tokens: i
     if len(payload) != h.payload_size:
         raise ChunkMismatch(f"payload is {len(payload)} bytes, header says {h.payload_size}")
     # A lossy chunk reads back as other values than were written; kvfs checks every frame of what it returns.
-    if not descriptor.get("lossy") and not payload_verified and xxhash.xxh3_64_intdigest(payload) != h.payload_xxh3:
+    if not descriptor.get("lossy") and not payload_verified and kvfs_format.xxh3(payload) != h.payload_xxh3:
         raise ChunkMismatch("payload checksum mismatch")
     return payload

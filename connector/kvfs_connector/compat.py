@@ -109,6 +109,13 @@ def none_hash() -> bytes:
     return bytes(kv_cache_utils.NONE_HASH)
 
 
+def resumed_req_ids(cached_reqs: Any) -> Any:
+    """Requests of scheduler_output.scheduled_cached_reqs that resume after a preemption, with their whole
+    block list in new_block_ids. 0.32: CachedRequestData.resumed_req_ids. 0.34 dropped the field: a resumed
+    request comes back in scheduled_new_reqs with all its blocks (docs/vllm-versions.md)."""
+    return getattr(cached_reqs, "resumed_req_ids", None) or ()
+
+
 def worker_rank() -> int:
     """This worker's global rank over pipeline and tensor parallel groups (the order of LoadSpec.paths)."""
     from vllm.distributed import parallel_state

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
-from . import files
+from . import compat, files
 from .chunkfile import token_digest
 from .mount import MountGuard
 from .naming import chunk_relpath
@@ -144,25 +144,27 @@ class Planner:
         """The loads planned since the last step, and the chunks this step completes."""
         so = scheduler_output
         computed: dict[str, int] = {}
+        # preemptions first: a request preempted and resumed in one step comes back below with its new blocks
+        for req_id in so.preempted_req_ids or ():
+            if req_id in self.requests:
+                self.requests[req_id].block_ids = []
         for new in so.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
                 computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
+        resumed = compat.resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             computed[req_id] = cached.num_computed_tokens[i]
-        for req_id in so.preempted_req_ids or ():
-            if req_id in self.requests:
-                self.requests[req_id].block_ids = []
         saves = []
         for req_id, done in computed.items():
             saves.extend(self._saves_for(self.requests[req_id], done + so.num_scheduled_tokens.get(req_id, 0)))

@@ -40,6 +40,8 @@ def _load() -> ctypes.CDLL:
             lib.kvec_encode_version.argtypes = lib.kvec_encode.argtypes + [ctypes.c_int]
             lib.kvec_decode.restype = ctypes.c_int
             lib.kvec_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+            lib.kvfs_xxh3_64.restype = ctypes.c_uint64
+            lib.kvfs_xxh3_64.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             return lib
     raise ImportError(f"the entropy codec kernel is not built in {here}: run `pip install -e .` "
                       "(needs a C compiler)")
@@ -48,6 +50,14 @@ def _load() -> ctypes.CDLL:
 _lib = _load()
 ERRORS = {-1: "output larger than its capacity", -2: "malformed payload header or tables",
           -3: "bitstream does not match its sizes", -4: "bad arguments", -5: "out of memory"}
+
+
+def xxh3_64(buf) -> int:
+    """XXH3-64 of any buffer, computed without holding the GIL (see _xxh3.c)."""
+    src, n, keep = _address(buf)
+    digest = _lib.kvfs_xxh3_64(src, n)
+    del keep
+    return digest
 
 
 def _address(buf) -> tuple[int, int, object]:
