@@ -356,3 +356,28 @@ def test_idle_chunks_go_down_and_a_returning_session_is_prefetched(make_mount, b
     assert cached(second) == [expected_hit(len(p), len(p) + 15) for p in prompts]
     hits = sum(-(-expected_hit(len(p), len(p) + 15) // CHUNK) for p in prompts)
     assert m.stats()["prefetches"] >= hits
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs vLLM on a CUDA GPU (torch.cuda.is_available() is False)")
+def test_gpu_engines_store_and_load_the_same_tokens_as_plain_vllm(make_mount, prompts, workdir):
+    """On a GPU host: a plain engine, an engine that stores through the connector's CUDA path, and a fresh one
+    that loads what it stored (side streams, pinned staging, layer events), all greedy: the same tokens."""
+    from vllm.platforms import current_platform
+
+    assert current_platform.is_cuda(), "torch sees a GPU but this vLLM is not a CUDA build"
+    base = run_engine(workdir / "gpu-base", [{"prompts": prompts, **ROUND}], None)
+    m = make_mount("gpu").start()
+    first = run_engine(workdir / "gpu-e1", [{"prompts": prompts, **ROUND}], connector(m.mountpoint))
+    second = run_engine(workdir / "gpu-e2", [{"prompts": prompts, **ROUND}], connector(m.mountpoint))
+    assert outputs(first) == outputs(base) == outputs(second)
+    assert cached(first) == [0, 0, 0] and all(c > 0 for c in cached(second))
+    assert "layout token-kv" in second["log"]
