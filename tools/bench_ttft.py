@@ -46,6 +46,8 @@ measured engine's lifetime.
 
     .venv/bin/python tools/bench_ttft.py [--lengths ...] [--reps 3] [--concurrency 1 8] [--arms ...]
 Table on stdout, JSON in bench-results/bench_ttft.json, PNG (TTFT p50 vs prompt length) beside it.
+`--gpu [bench_gpu_load.py args]`: load GB/s of one engine's connector worker into a paged cache on a CUDA GPU
+(tools/bench_gpu_load.py); the engine arms above run on vLLM CPU only so far.
 Needs tools/install_vllm.sh (vLLM, the model, LMCache) and, for kvfs-L4, tools/install_ceph.sh. About 25 minutes
 on 2 cores.
 """
@@ -271,6 +273,11 @@ def summarize(arm_result: dict, rounds: list[dict]) -> list[dict]:
 
 
 def main() -> int:
+    if "--gpu" in sys.argv[1:]:  # the connector's GPU load path, one worker (tools/bench_gpu_load.py)
+        import bench_gpu_load
+
+        sys.argv = [sys.argv[0]] + [a for a in sys.argv[1:] if a != "--gpu"]
+        return bench_gpu_load.main()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
     ap.add_argument("--reps", type=int, default=5, help="requests per length at concurrency 1")
