@@ -164,9 +164,6 @@ class ChunkLayout:
         """Blocks first..end of one layer's payload `src` (same device as `kv`) into blocks ids[first:end]."""
         raise NotImplementedError
 
-    def payload_view(self, buf) -> torch.Tensor:
-        return torch.frombuffer(buf, dtype=self.g.dtype, count=self.payload_elements)
-
 
 class CpuVecLayout(ChunkLayout):
     """numpy copies through integer views: several times faster here than torch's index_copy_ and permuted
