@@ -26,7 +26,10 @@ import errno
 import os
 import threading
 
+import numpy as np
+
 from . import format as fmt
+from .codecs import kernel
 
 XA_OBJECT = "user.kvfs.object"
 VALUE_MAX = 4096
@@ -98,11 +101,11 @@ def read_object(loc: Location, offset: int = 0, length: int | None = None,
         size = os.fstat(fd).st_size
         if size != loc.stored_bytes:
             raise fmt.CorruptObject(f"object is {size} bytes, the index says {loc.stored_bytes}")
-        header, frames = _layout(fd, loc)
+        header, table, frames = _layout(fd, loc)
         end = header.raw_size if length is None else min(header.raw_size, offset + length)
         out = _buffer(max(0, end - offset), into)
         if len(out):
-            _decode_range(fd, header, frames, offset, end, memoryview(out))
+            _decode_range(fd, header, table, frames, offset, end, memoryview(out))
         return out
     finally:
         os.close(fd)
@@ -116,7 +119,8 @@ def _buffer(size: int, into: bytearray | None) -> bytearray | memoryview:
     return memoryview(into)[:size]
 
 
-def _layout(fd: int, loc: Location) -> tuple[fmt.Header, list[fmt.FrameEntry]]:
+def _layout(fd: int, loc: Location) -> tuple[fmt.Header, memoryview, list[fmt.FrameEntry]]:
+    """The object's header, its frame table as stored (for the kernel) and parsed (both verified)."""
     head = os.pread(fd, PROBE, 0)
     header = fmt.parse_header(head)
     if header.data_offset > len(head):
@@ -125,25 +129,85 @@ def _layout(fd: int, loc: Location) -> tuple[fmt.Header, list[fmt.FrameEntry]]:
         raise fmt.CorruptObject("object shorter than its frame table")
     if header.raw_size != loc.size:
         raise Unavailable(f"object holds {header.raw_size} bytes, the file has {loc.size}")
-    return header, fmt.parse_table(header, memoryview(head)[header.size:], loc.stored_bytes)
+    table = memoryview(head)[header.size:header.size + header.n_frames * fmt.FRAME_ENTRY.size]
+    return header, table, fmt.parse_table(header, memoryview(head)[header.size:], loc.stored_bytes)
 
 
-def _decode_range(fd: int, header: fmt.Header, frames: list[fmt.FrameEntry], start: int, end: int,
-                  out: memoryview) -> None:
+def _decode_range(fd: int, header: fmt.Header, table: memoryview, frames: list[fmt.FrameEntry], start: int,
+                  end: int, out: memoryview) -> None:
     F = header.frame_size
-    for i in range(start // F, -(-end // F)):
+    first, stop = -(-start // F), end // F  # the frames wholly inside [start, end)
+    if end == header.raw_size:
+        stop = header.n_frames  # the last frame may be short
+    if first >= stop:  # no whole frame: a part of one or two
+        for i in range(start // F, -(-end // F)):
+            _decode_part(fd, i, frames[i], F, start, end, out)
+        return
+    if start < first * F:
+        _decode_part(fd, first - 1, frames[first - 1], F, start, end, out)
+    _decode_frames(fd, table, frames, first, stop, out[first * F - start:min(end, stop * F) - start])
+    if stop * F < end:
+        _decode_part(fd, stop, frames[stop], F, start, end, out)
+
+
+def _decode_frames(fd: int, table: memoryview, frames: list[fmt.FrameEntry], first: int, stop: int,
+                   dest: memoryview) -> None:
+    """Whole frames [first, stop) into dest, as runs decoded by the kernel without the GIL; a frame it does
+    not decode (another codec or transform) is decoded here, and the run goes on after it."""
+    E = fmt.FRAME_ENTRY.size
+    at = ctypes.c_int64()
+    out = np.frombuffer(dest, dtype=np.uint8)
+    base = out.ctypes.data
+    done = 0
+    i = first
+    while i < stop:
+        run = table[i * E:stop * E]
+        src = np.frombuffer(run, dtype=np.uint8)
+        rc = kernel.lib.kvfs_read_frames(fd, src.ctypes.data, stop - i, base + done, len(dest) - done,
+                                         ctypes.byref(at))
+        for entry in frames[i:i + at.value]:
+            done += entry.raw_len
+        i += at.value
+        if rc == kernel.READ_OK:
+            return
+        if rc != kernel.UNSUPPORTED:
+            _raise_kernel_error(rc, i)
         entry = frames[i]
-        lo, hi = max(start, i * F), min(end, i * F + entry.raw_len)  # the wanted part of frame i
-        dest = out[lo - start:hi - start]
-        if entry.is_hole:
-            dest[:] = bytes(len(dest))
-        elif entry.codec == 0 and entry.transform == 0 and lo == i * F and hi - lo == entry.raw_len:
-            _read_stored_frame(fd, entry, dest)  # stored raw: read in place, one checksum
-        elif lo == i * F and hi - lo == entry.raw_len:  # a whole frame: decoded straight into the buffer
-            fmt.decode_frame_into(entry, _pread_scratch(fd, entry.offset, entry.stored_len), dest)
-        else:
-            payload = _pread_exact(fd, entry.offset, entry.stored_len)
-            dest[:] = memoryview(fmt.decode_frame(entry, payload)).cast("B")[lo - i * F:hi - i * F]
+        _decode_whole(fd, entry, dest[done:done + entry.raw_len])
+        done += entry.raw_len
+        i += 1
+
+
+def _raise_kernel_error(rc: int, frame: int) -> None:
+    if rc == kernel.ERR_IO:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    if rc == kernel.ERR_NOMEM:
+        raise MemoryError("kvfs.direct: no memory for a frame's payload")
+    what = {kernel.ERR_SHORT: "object shorter than its frame table says",
+            kernel.ERR_PAYLOAD: "payload checksum mismatch", kernel.ERR_DECODE: "does not decode",
+            kernel.ERR_RAW: "raw checksum mismatch"}.get(rc)
+    if what is None:
+        raise ValueError(f"kvfs_read_frames: bad arguments ({rc})")
+    raise fmt.CorruptObject(f"frame {frame}: {what}")
+
+
+def _decode_whole(fd: int, entry: fmt.FrameEntry, dest: memoryview) -> None:
+    if entry.is_hole:
+        dest[:] = bytes(len(dest))
+    elif entry.codec == 0 and entry.transform == 0:
+        _read_stored_frame(fd, entry, dest)  # stored raw: read in place, one checksum
+    else:  # decoded straight into the buffer where the codec can
+        fmt.decode_frame_into(entry, _pread_scratch(fd, entry.offset, entry.stored_len), dest)
+
+
+def _decode_part(fd: int, i: int, entry: fmt.FrameEntry, F: int, start: int, end: int, out: memoryview) -> None:
+    """The part of frame i inside [start, end): the whole frame decoded, then the part copied."""
+    lo, hi = max(start, i * F), min(end, i * F + entry.raw_len)
+    if lo >= hi:
+        return
+    payload = b"" if entry.is_hole else _pread_exact(fd, entry.offset, entry.stored_len)
+    out[lo - start:hi - start] = memoryview(fmt.decode_frame(entry, payload)).cast("B")[lo - i * F:hi - i * F]
 
 
 def _read_stored_frame(fd: int, entry: fmt.FrameEntry, dest: memoryview) -> None:

@@ -99,6 +99,16 @@ def test_chunk_path_layout():
     assert naming.chunk_relpath("ns", h) == f"ns/00/{h.hex()}.kv"
 
 
+def test_reader_threads_default_to_what_the_cache_needs():
+    auto = Settings.from_extra({"mount": "/m"})
+    assert auto.io_thread_count(device_side=True, available_cpus=16) == 8  # GPU: decode is the limit
+    assert auto.io_thread_count(device_side=False, available_cpus=16) == 4  # CPU: cores run the model
+    assert auto.io_thread_count(device_side=True, available_cpus=2) == 2
+    assert Settings.from_extra({"mount": "/m", "io_threads": 3}).io_thread_count(True, 16) == 3
+    with pytest.raises(ValueError, match="io_threads"):
+        Settings.from_extra({"mount": "/m", "io_threads": 0})
+
+
 def test_settings_are_checked():
     assert Settings.from_extra({"mount": "/mnt/kvfs"}).chunk_tokens(128) == 256
     assert Settings.from_extra({"mount": "/m"}).chunk_tokens(96) == 288  # rounded up to whole blocks

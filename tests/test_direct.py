@@ -166,3 +166,91 @@ def test_other_users_cannot_open_objects():
             assert m.stop() == 0
         assert not m.unexpected_log_lines()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- the kernel's run decoder (kvfs_read_frames) on objects built here: every codec and transform a frame
+# may have, in one object, decoded by the kernel or (deflate, zstd without libzstd) frame by frame in Python
+
+FRAME = 64 << 10
+
+
+def _mixed_object(tmp_path, data: bytes) -> tuple[direct.Location, list]:
+    from kvfs import codecs
+    from kvfs import format as fmt
+    from kvfs.codecs import transforms
+    from kvfs.codecs.entropy import EntropyCodec
+    kinds = [(EntropyCodec(), transforms.IDENTITY), (codecs.by_name("zstd"), transforms.BYTEPLANE2),
+             (codecs.by_name("zstd"), transforms.IDENTITY), (codecs.by_name("deflate"), transforms.BYTEPLANE2),
+             (codecs.by_name("none"), transforms.IDENTITY)]
+    frames = []
+    for i, off in enumerate(range(0, len(data), FRAME)):
+        codec, transform = kinds[i % len(kinds)]
+        frames.append(fmt.encode_frame(data[off:off + FRAME], codec, transform))
+    header = fmt.Header(raw_size=len(data), frame_size=FRAME, n_frames=len(frames), element_size=2)
+    parts, entries = fmt.build_object(header, frames)
+    obj = tmp_path / "object"
+    obj.write_bytes(b"".join(parts))
+    return direct.Location("L2", obj.stat().st_size, len(data), str(obj)), entries
+
+
+def _kv_with_holes() -> bytes:
+    kv = kv_samples("bf16")[0].read_bytes()[:9 * FRAME]
+    return kv[:2 * FRAME] + bytes(FRAME) + kv[2 * FRAME:] + os.urandom(FRAME) + kv[:FRAME // 2 + 3]
+
+
+@pytest.mark.parametrize("zstd_in_kernel", [True, False])
+def test_runs_of_frames_of_every_kind_decode_exactly(tmp_path, zstd_in_kernel):
+    import ctypes
+    from kvfs.codecs import kernel
+    data = _kv_with_holes()
+    loc, entries = _mixed_object(tmp_path, data)
+    kinds = {(e.codec, e.transform, e.is_hole) for e in entries}
+    assert {(4, 0, False), (1, 1, False), (1, 0, False), (2, 1, False), (0, 0, False), (0, 0, True)} <= kinds
+    if not zstd_in_kernel:
+        kernel.lib.kvfs_use_zstd(None)
+    try:
+        assert direct.read_object(loc) == data
+        buf = bytearray(len(data) + 100)
+        assert direct.read_object(loc, into=buf) == data and buf[:len(data)] == data
+        for off, n in [(0, FRAME), (FRAME - 1, 2), (FRAME // 2, 5 * FRAME), (3 * FRAME, 2 * FRAME + 1),
+                       (FRAME + 9, len(data)), (len(data) - FRAME - 1, 10 * FRAME), (len(data), 4)]:
+            assert direct.read_object(loc, off, n) == data[off:off + n], (off, n)
+    finally:
+        if kernel.ZSTD_IN_KERNEL:
+            kernel.lib.kvfs_use_zstd(ctypes.cast(kernel._zstd.ZSTD_decompress, ctypes.c_void_p))
+
+
+def test_zstd_frames_are_decoded_in_the_kernel_here():
+    """Debian's libzstd1 is always installed: the kernel decodes zstd frames without the GIL."""
+    from kvfs.codecs import kernel
+    assert kernel.ZSTD_IN_KERNEL
+
+
+@pytest.mark.parametrize("frame_index", [0, 1, 3, 4, 5, 6, 7, 10, 11])  # 2 is the hole: no payload
+def test_a_flipped_bit_in_any_frame_is_caught(tmp_path, frame_index):
+    from kvfs import format as fmt
+    data = _kv_with_holes()
+    loc, entries = _mixed_object(tmp_path, data)
+    e = entries[frame_index]
+    assert not e.is_hole
+    raw = bytearray(Path(loc.path).read_bytes())
+    raw[e.offset + e.stored_len // 3] ^= 0x08
+    Path(loc.path).write_bytes(raw)
+    with pytest.raises(fmt.CorruptObject, match=f"frame {frame_index}|checksum"):
+        direct.read_object(loc)
+    start = frame_index * FRAME  # and a read of that frame alone
+    with pytest.raises(fmt.CorruptObject):
+        direct.read_object(loc, start, e.raw_len)
+
+
+def test_an_object_cut_short_is_caught(tmp_path):
+    from kvfs import format as fmt
+    data = _kv_with_holes()
+    loc, entries = _mixed_object(tmp_path, data)
+    raw = Path(loc.path).read_bytes()
+    Path(loc.path).write_bytes(raw[:entries[4].offset + 10])
+    with pytest.raises(fmt.CorruptObject, match="bytes, the index says"):
+        direct.read_object(loc)
+    cut = direct.Location(loc.tier, entries[4].offset + 10, loc.size, loc.path)  # an index that agrees
+    with pytest.raises(fmt.CorruptObject, match="out of bounds"):
+        direct.read_object(cut)

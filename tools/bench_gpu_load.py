@@ -16,6 +16,10 @@ Arms, side by side in every round (the machine is shared and noisy: compare rati
                 leaves out ~0.1 ms per chunk
   plain         the chunk files on tmpfs as plain files: no decode, no kvfs (the bare-file ceiling)
   h2d           one pinned host → device copy of the same bytes (the DMA ceiling)
+  decode-<codec>  the readers' part alone: the same objects read and decoded by as many threads into
+                reused buffers, no connector, no device (what the host can decode)
+  kvfs-<codec>-per-frame  (--per-frame) as kvfs-<codec>, with the decoder kvfs.direct had before the kernel
+                decoded whole runs of frames: one kernel call per frame, the GIL held in between
 Every loaded cache is checked bit for bit against the KV that was stored. Save GB/s (gather on the device,
 copy to pinned slots, write chunk files to tmpfs) is measured once per thread count.
 
@@ -26,6 +30,7 @@ Table on stdout, JSON in bench-results/bench_gpu_load.json. `tools/bench_ttft.py
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -134,6 +139,30 @@ def write_objects(setup: Setup, work: Path, codec: str) -> tuple[dict[str, direc
     return where, stored / raw
 
 
+def per_frame_decode(fd, table, frames, first, stop, dest) -> None:
+    """kvfs.direct's decoder before whole runs went to the kernel: one frame at a time from Python."""
+    done = 0
+    for entry in frames[first:stop]:
+        direct._decode_whole(fd, entry, dest[done:done + entry.raw_len])
+        done += entry.raw_len
+
+
+def decode_only(where: dict[str, direct.Location], threads: int) -> float:
+    """Seconds for `threads` threads to read and decode every object into reused buffers."""
+    locs = list(where.values())
+    bufs = [bytearray(loc.size) for loc in locs[:threads]]
+
+    def work(k: int) -> None:
+        for loc in locs[k::threads]:
+            direct.read_object(loc, into=bufs[k])
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))  # warm: buffers faulted in, threads started
+        t0 = time.perf_counter()
+        list(pool.map(work, range(threads)))
+        return time.perf_counter() - t0
+
+
 def load_step(w: WorkerSide, setup: Setup) -> float:
     """One engine step loading every chunk: seconds until every layer's copies are in."""
     sync = torch.cuda.synchronize if w.copies.device_side else (lambda: None)
@@ -166,6 +195,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)")
+    ap.add_argument("--per-frame", action="store_true",
+                    help="also run each kvfs arm with the frame-by-frame decoder (kernel runs vs Python loop)")
     ap.add_argument("--workdir", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_gpu_load.json")
     args = ap.parse_args()
@@ -185,10 +216,13 @@ def run(args, device: torch.device, work: Path) -> int:
     ratios, locations = {}, {}
     for codec in args.codecs:
         locations[codec], ratios[codec] = write_objects(setup, work, codec)
-    arms = [f"kvfs-{c}" for c in args.codecs] + ["plain"]
+    arms = [f"kvfs-{c}" for c in args.codecs]
+    arms += [f"{a}-per-frame" for a in arms if args.per_frame] + ["plain"]
     real_locate = direct.locate
     table = {arm: {t: [] for t in args.threads} for arm in arms}
     saves, h2d = {}, []
+    decode = {c: {t: [] for t in args.threads} for c in args.codecs}
+    runs_decode = direct._decode_frames
     host = torch.empty(args.chunks * setup.layout.payload_bytes, dtype=torch.uint8,
                        pin_memory=device.type == "cuda")
     dev = torch.empty_like(host, device=device)
@@ -204,20 +238,23 @@ def run(args, device: torch.device, work: Path) -> int:
             order = arms if rnd % 2 == 0 else arms[::-1]
             for t, w in workers.items():
                 for arm in order:
-                    where = locations.get(arm.removeprefix("kvfs-"))
+                    where = locations.get(arm.removeprefix("kvfs-").removesuffix("-per-frame"))
                     direct.locate = (lambda p, where=where: where.get(os.fspath(p))) if where else (lambda p: None)
+                    direct._decode_frames = per_frame_decode if arm.endswith("-per-frame") else runs_decode
                     for c in w.kv_layers:
                         c.zero_()
                     table[arm][t].append(load_step(w, setup))
                     if rnd == 0:
                         check_exact(w, setup)
+                for codec in args.codecs:
+                    decode[codec][t].append(decode_only(locations[codec], t))
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 dev.copy_(host, non_blocking=True)
                 torch.cuda.synchronize()
                 h2d.append(time.perf_counter() - t0)
-        direct.locate = real_locate
+        direct.locate, direct._decode_frames = real_locate, runs_decode
         loads = {t: w.stats["loaded_chunks"] for t, w in workers.items()}
         reader_cpu = {str(t): w.stats["load_cpu_us"] / 1e3 / max(1, loads[t]) for t, w in workers.items()}
         for t, w in workers.items():  # saves: the same chunks back out of the loaded cache into new files
@@ -231,13 +268,15 @@ def run(args, device: torch.device, work: Path) -> int:
             if w.stats["saved_chunks"] != args.chunks or (out / setup.files[0].name).read_bytes() != setup.files[0].read_bytes():
                 raise SystemExit("saved chunk files differ from the originals")
     finally:
-        direct.locate = real_locate
+        direct.locate, direct._decode_frames = real_locate, runs_decode
         for w in workers.values():
             w.shutdown()
     doc = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cpus": os.cpu_count(), "switch_interval_s": sys.getswitchinterval(), "torch": torch.__version__, "chunks": args.chunks, "rounds": args.rounds,
            "gb_per_step": gb, "stored_over_raw": ratios,
            "load_gbps": {arm: {str(t): [gb / s for s in v] for t, v in per.items()} for arm, per in table.items()},
+           "decode_only_gbps": {c: {str(t): [gb / s for s in v] for t, v in per.items()}
+                                for c, per in decode.items()},
            "save_gbps": {str(t): gb / s for t, s in saves.items()},
            "h2d_gbps": [gb / s for s in h2d], "reader_cpu_ms_per_chunk": reader_cpu}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +293,12 @@ def print_table(doc: dict) -> None:
     print("| arm | stored/raw | " + " | ".join(f"load, {t} readers" for t in threads) + " |")
     print("|---|---|" + "---|" * len(threads))
     for arm, per in doc["load_gbps"].items():
-        ratio = doc["stored_over_raw"].get(arm.removeprefix("kvfs-"))
+        ratio = doc["stored_over_raw"].get(arm.removeprefix("kvfs-").removesuffix("-per-frame"))
         cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in per.values()]
         print(f"| {arm} | {'%.3f' % ratio if ratio else '1.0'} | " + " | ".join(cells) + " |")
+    for codec, per in doc.get("decode_only_gbps", {}).items():
+        cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in per.values()]
+        print(f"| decode-{codec} (readers only) | | " + " | ".join(cells) + " |")
     print("| save (gather, pinned copy, write) | | " + " | ".join(f"{doc['save_gbps'][t]:.2f}" for t in threads) + " |")
     print("reader CPU ms per chunk (read, decode, verify; all arms): "
           + ", ".join(f"{t} readers {v:.2f}" for t, v in doc["reader_cpu_ms_per_chunk"].items()))

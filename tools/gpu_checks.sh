@@ -18,7 +18,7 @@ if ! "$PY" -c "import kvfs.codecs" 2>/dev/null; then
     srcs=$("$PY" -c 'import runpy; s = runpy.run_path("kvfs/codecs/kernel_sources.py"); print(" ".join(s["C_SOURCES"] + [s["X86_64_ASM"]]))')
     gcc -O3 -std=c11 -shared -fPIC -o "kvfs/codecs/_entropy$suffix" $srcs -lm || exit 1
 fi
-{ nvidia-smi -L; nproc; "$PY" -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'; } 2>&1 | tee "$OUT/gpu-env.txt"
+{ nvidia-smi -L; nproc; "$PY" -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'; "$PY" -c 'from kvfs.codecs import kernel; print("zstd decoded in the kernel:", kernel.ZSTD_IN_KERNEL)'; } 2>&1 | tee "$OUT/gpu-env.txt"
 "$PY" -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_connector_worker.py 2>&1 | tee "$OUT/gpu-pytest.log"
 tests=${PIPESTATUS[0]}
 "$PY" tools/bench_gpu_load.py --out "$OUT/bench_gpu_load.json" "$@" 2>&1 | tee "$OUT/gpu-bench.log"

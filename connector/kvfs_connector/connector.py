@@ -159,13 +159,15 @@ class KVFSConnector(KVConnectorBase_V1):
         rank = compat.worker_rank()
         io_cpus = cpus.io_cpus(self.settings.io_cpus)  # after vLLM bound this worker: "auto" compares with it
         s = self.settings
+        readers = s.io_thread_count(tensors[0].is_cuda, len(io_cpus or os.sched_getaffinity(0)))
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
-                                 s.io_threads, s.max_pending_save_mb << 20, s.direct_reads, s.lossy_mode,
+                                 readers, s.max_pending_save_mb << 20, s.direct_reads, s.lossy_mode,
                                  s.demote_after_idle_s, io_cpus, pinned_bytes=s.pinned_memory_mb << 20,
                                  device_staging_bytes=s.device_staging_mb << 20)
         self.worker.warm_up()
-        log.info("kvfs connector worker: %d layers on %s, layout %s (backend %s, vLLM %s), rank %d, I/O threads "
-                 "on %s", len(tensors), tensors[0].device, chosen.name, engine.backend, engine.vllm_version, rank,
+        log.info("kvfs connector worker: %d layers on %s, layout %s (backend %s, vLLM %s), rank %d, %d reader "
+                 "threads on %s", len(tensors), tensors[0].device, chosen.name, engine.backend, engine.vllm_version,
+                 rank, readers,
                  "the worker's CPUs" if io_cpus is None else f"CPUs {cpus.format_cpu_list(io_cpus)}")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

@@ -11,13 +11,11 @@ huf0) is loaded with ctypes, which releases the GIL.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.machinery
-import pathlib
 import threading
 
 import numpy as np
 
+from . import kernel
 from .base import CodecError
 
 WINDOW_LOG = 4  # K = 16 previous exponents (16 vs 8 saves 0.01 bits/element on real KV; 32 gains nothing)
@@ -27,27 +25,7 @@ OVERHEAD = 16 + 8 * 8 + 64 * 130 + 72 + 16  # v2: fixed header, stream sizes, ta
 # payload that does not fit in raw + OVERHEAD is larger than raw anyway and the frame is stored raw)
 
 
-def _load() -> ctypes.CDLL:
-    here = pathlib.Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_entropy{suffix}"
-        if path.exists():
-            lib = ctypes.CDLL(str(path))
-            lib.kvec_encode.restype = ctypes.c_int64
-            lib.kvec_encode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_void_p, ctypes.c_size_t]
-            lib.kvec_encode_version.restype = ctypes.c_int64
-            lib.kvec_encode_version.argtypes = lib.kvec_encode.argtypes + [ctypes.c_int]
-            lib.kvec_decode.restype = ctypes.c_int
-            lib.kvec_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
-            lib.kvfs_xxh3_64.restype = ctypes.c_uint64
-            lib.kvfs_xxh3_64.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            return lib
-    raise ImportError(f"the entropy codec kernel is not built in {here}: run `pip install -e .` "
-                      "(needs a C compiler)")
-
-
-_lib = _load()
+_lib = kernel.lib
 ERRORS = {-1: "output larger than its capacity", -2: "malformed payload header or tables",
           -3: "bitstream does not match its sizes", -4: "bad arguments", -5: "out of memory"}
 
