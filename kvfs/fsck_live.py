@@ -19,14 +19,15 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, AsyncContextManager
+from typing import Any, AsyncContextManager, Protocol
+
+import trio
 
 from .fsck import EXIT_FAILED, Checker, Host, Report
+from .index import Index
+from .locks import InodeLocks
 from .openfile import FileCorrupt, PublishedGone
-from .store import ObjectRef
-
-if TYPE_CHECKING:
-    from .fs import Operations
+from .store import ObjectRef, Store
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,22 @@ class Refused(Exception):
         super().__init__(reason)
         self.errno = code
         self.reason = reason
+
+
+class Operations(Protocol):
+    """What a live fsck uses of the mounted filesystem (kvfs/fs.py's Operations, which imports this module)."""
+
+    index: Index
+    store: Store
+    locks: InodeLocks
+    open_files: dict[int, Any]
+    nursery: trio.Nursery | None
+
+    async def drop_corrupt(self, err: FileCorrupt) -> None: ...
+
+    async def _maybe_delete(self, ino: int) -> None: ...
+
+    async def forget_names(self, ino: int, names: list[tuple[int, bytes]]) -> None: ...
 
 
 class LiveHost(Host):

@@ -89,7 +89,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 # same inputs (and manifest checks) as the fs benchmark
-from bench_fs import DEFAULT_DATA, SetupError, load_datasets
+from bench_harness import DEFAULT_DATA, SetupError, load_datasets
 
 from kvfs.codecs import by_name, transforms
 from kvfs.codecs.deflate import DeflateCodec, decompress_members

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import bench_fs as bf
+import bench_harness as bf
+from bench_harness import fs_type
 
 READ_VARIANTS = ("L2", "L3 warm", "L3 cold")
 TIER_XATTR = "user.kvfs.tier"
@@ -72,17 +73,6 @@ def tier_files(datasets: dict[str, bf.DataSet]) -> list[TierFile]:
 # ---------------------------------------------------------------------------------------------------
 # page cache and process helpers
 # ---------------------------------------------------------------------------------------------------
-def fs_type(path: Path) -> str:
-    """Filesystem type of the mount holding `path` (longest matching mount point in /proc/mounts)."""
-    best, kind = "", "?"
-    target = str(path.resolve()).rstrip("/") + "/"
-    with open("/proc/mounts") as f:
-        for line in f:
-            mnt, typ = line.split()[1:3]
-            mnt = mnt.replace("\\040", " ")
-            if target.startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best):
-                best, kind = mnt, typ
-    return kind
 
 
 def proc_io_read_bytes(pid: int) -> int:
