@@ -24,6 +24,7 @@ layouts never mix.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator
 
 import numpy as np
@@ -59,12 +60,17 @@ def as_numpy(t: torch.Tensor, *shape: int) -> np.ndarray:
 def view_as(a: np.ndarray, *shape: int) -> np.ndarray:
     """`a` reshaped without copying, or ValueError: a copy of the paged cache would silently swallow the
     writes made into it (numpy's reshape copies when it must)."""
-    v = a.view()
     try:
-        v.shape = shape
-    except AttributeError as e:
+        if _RESHAPE_HAS_COPY:
+            return np.reshape(a, shape, copy=False)
+        v = a.view()
+        v.shape = shape  # numpy < 2.1 (deprecated from 2.5): refuses a copy the same way
+        return v
+    except (ValueError, AttributeError) as e:
         raise ValueError(f"cannot view {a.shape} (strides {a.strides}) as {shape} without a copy") from e
-    return v
+
+
+_RESHAPE_HAS_COPY = "copy" in inspect.signature(np.reshape).parameters
 
 
 class UnknownLayout(RuntimeError):
