@@ -292,8 +292,9 @@ def test_block_bytes_layout_round_trip_for_other_cpu_kernels():
     g = layouts.Geometry(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, chunk_size=8, dtype=torch.float16)
     caches = [torch.randn(6, 2, 4, 16).to(torch.float16) for _ in range(2)]
     _special(caches[1][3])
-    lay = layouts.choose(g, tuple(caches[0].shape), layouts.EngineLayout("CPU_ATTN", "amx"))
-    assert lay.name == "blocks:cpu-amx"
+    lay = layouts.choose(g, tuple(caches[0].shape), layouts.EngineLayout("CPU_ATTN", "amx", "0.32.0+cpu"))
+    assert lay.name == "blocks:cpu-amx@vllm-0.32"  # opaque bytes: another minor version may pack them otherwise
+    assert layouts.EngineLayout("CPU_ATTN", "amx", "0.34.1").layout_name() == "blocks:cpu-amx@vllm-0.34"
     payload = lay.gather(caches, [3, 1])
     out = [torch.zeros_like(c) for c in caches]
     lay.scatter(out, payload, [0, 5], 0, 2)

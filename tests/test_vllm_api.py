@@ -88,7 +88,7 @@ def test_scheduler_side_builds_loads_and_saves_from_vllms_objects(configs):
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     conn = KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
-    assert conn.disabled_reason is None and conn.layout_name in ("cpu-vec", "blocks:cpu-amx")
+    assert conn.disabled_reason is None and (conn.layout_name == "cpu-vec" or conn.layout_name.startswith("blocks:cpu-amx@vllm-0.3"))
     prompt = list(range(1000, 1600))
     req = Request("a", prompt, SamplingParams(max_tokens=4), None, block_hasher=get_request_block_hasher(BS, hash_fn))
     assert len(req.block_hashes) == 4

@@ -13,8 +13,9 @@ and `content` is the backend's business. Layouts the connector knows (`choose`),
 - `token-kv`: FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION (unquantised): content = K then V of one
   token, `[K(head_size) | V(head_size)]`. torch gathers and scatters on the tensors' own device (a GPU's, or the
   CPU's in tests), so one code path serves both.
-- `blocks:cpu-<isa>`: CPU_ATTN with another ISA (AMX, vec16, neon, ... pack block interiors their own way): the logical block's
-  bytes as they are. Bit-exact, only loadable into the same backend and ISA (the descriptor says which).
+- `blocks:cpu-<isa>@vllm-<minor>`: CPU_ATTN with another ISA (AMX, vec16, neon, ... pack block interiors their own
+  way): the logical block's bytes as they are. Bit-exact, only loadable into the same backend and ISA, and the
+  same vLLM minor version (a release may change how its kernels pack a block; the descriptor says which).
 Anything else — another backend, or a tensor whose shape is not what its backend's layout says — is refused
 (UnknownLayout) at engine start: guessing where the block dimension is would store other bytes than the KV.
 The layout name and geometry go into the namespace and every file's descriptor, so chunks of different
@@ -298,14 +299,19 @@ class EngineLayout:
     isa: str | None = None
     vllm_version: str = "?"
 
+    @property
+    def vllm_minor(self) -> str:
+        """'0.32' of '0.32.0+cpu'."""
+        return ".".join(self.vllm_version.split("+")[0].split(".")[:2])
+
     def layout_name(self) -> str:
         """The layout the connector would use, or UnknownLayout. The same answer on the scheduler and the
         worker, so it names the namespace."""
         if self.backend == "CPU_ATTN":
             if self.isa in VEC_ISAS:
                 return CpuVecLayout.name
-            if self.isa:
-                return f"blocks:cpu-{self.isa}"
+            if self.isa:  # bytes as vLLM's C++ kernels pack them: a release may repack, so its minor version too
+                return f"blocks:cpu-{self.isa}@vllm-{self.vllm_minor}"
         elif self.backend in TOKEN_KV_BACKENDS:
             return TokenKVLayout.name
         raise UnknownLayout(
