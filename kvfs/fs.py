@@ -411,7 +411,8 @@ class Operations(pyfuse3.Operations):
         self._check_mutable_dir(parent_inode, name)
         if self.index.lookup(parent_inode, name) is not None:
             raise _err(errno.EEXIST)
-        ino = self.index.create(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        mode, gid = self._new_owner(parent_inode, stat.S_IFREG | stat.S_IMODE(mode), ctx)
+        ino = self.index.create(parent_inode, name, mode, ctx.uid, gid)
         self._inherit(parent_inode, ino)
         row = self._row(ino)
         state = self._acquire(ino, row)
@@ -489,10 +490,19 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.ENOTDIR)
         if self.index.lookup(parent, name) is not None:
             raise _err(errno.EEXIST)
-        ino = self.index.create(parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        mode, gid = self._new_owner(parent, mode, ctx)
+        ino = self.index.create(parent, name, mode, ctx.uid, gid, rdev, target)
         if target is None:
             self._inherit(parent, ino)
         return self._entry(ino)
+
+    def _new_owner(self, parent: int, mode: int, ctx) -> tuple[int, int]:
+        """The mode and group of a new entry: in a set-group-ID directory the directory's group, and a new
+        subdirectory keeps the bit (Linux; the kernel already stripped a set-gid bit the caller may not set)."""
+        prow = self.index.get(parent)
+        if prow is None or not prow["mode"] & stat.S_ISGID:
+            return mode, ctx.gid
+        return (mode | stat.S_ISGID if stat.S_ISDIR(mode) else mode), prow["gid"]
 
     @_guard
     async def mkdir(self, parent_inode, name, mode, ctx):
