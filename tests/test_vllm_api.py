@@ -187,6 +187,30 @@ def test_worker_detects_the_layout_and_round_trips_through_the_connector(configs
     conn.shutdown()
 
 
+def test_load_errors_are_in_the_steps_own_output_even_when_vllm_finalizes_late(configs):
+    """vLLM drops what a step sampled from blocks reported in that step's output (invalid_block_ids). With
+    defer_finalize (draft models; 0.32 KVConnectorModelRunnerMixin, 0.34 worker/gpu/kv_connector.py post_forward) it
+    asks for them before wait_for_save: a load that no layer waited for (here a
+    chunk whose file is gone, and layers that ran without waiting) must already be reported then."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvfs_connector.chunkfile import token_digest
+    from kvfs_connector.connector import KVFSMetadata
+    from kvfs_connector.plan import LoadSpec
+
+    conn, kv = _worker_connector(configs, CPUAttentionBackend)
+    conn.register_kv_caches(kv)
+    missing = os.path.join(configs[3], "gone.kv")
+    conn.bind_connector_metadata(KVFSMetadata(loads=[LoadSpec("b", [missing], 0, CHUNK, token_digest(range(CHUNK)),
+                                                              [5, 6], 0, 2)]))
+    conn.start_load_kv(None)  # the forward pass runs no wait_for_layer_load (as if its layers skipped it)
+    assert conn.get_block_ids_with_load_errors() == {5, 6}  # asked before wait_for_save, as defer_finalize does
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    assert conn.get_block_ids_with_load_errors() == set()  # reported once
+    conn.shutdown()
+
+
 def test_an_unknown_layout_stops_the_worker_at_start(configs):
     """A faked attention backend the connector does not know: register_kv_caches raises (vLLM's worker start
     fails with it) with a message naming the vLLM version and the backend, instead of guessing."""

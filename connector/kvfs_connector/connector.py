@@ -191,7 +191,12 @@ class KVFSConnector(KVConnectorBase_V1):
             self.worker.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_failed_blocks() if self.worker is not None else set()
+        """The step's failed blocks, in this step's output: vLLM then drops what the step sampled from them. With
+        defer_finalize (a draft model), vLLM asks before wait_for_save, so the step's loads are settled here."""
+        if self.worker is None:
+            return set()
+        self.worker.finish_loads()  # idempotent: wait_for_save's call then finds nothing left
+        return self.worker.take_failed_blocks()
 
     def shutdown(self):
         if self.worker is not None:
