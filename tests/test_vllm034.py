@@ -28,4 +28,5 @@ def test_the_connector_interface_against_vllm_034():
     assert version.stdout.strip().startswith("0.34"), version.stderr[-2000:]
     run = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_vllm_api.py"], cwd=REPO,
                          capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, timeout=900)
-    assert run.returncode == 0 and "5 passed" in run.stdout.splitlines()[-1], run.stdout[-4000:] + run.stderr[-2000:]
+    tests = (REPO / "tests" / "test_vllm_api.py").read_text().count("\ndef test_")  # every one ran, none skipped
+    assert run.returncode == 0 and f"{tests} passed" in run.stdout.splitlines()[-1], run.stdout[-4000:] + run.stderr[-2000:]
