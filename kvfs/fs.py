@@ -153,7 +153,7 @@ class Operations(pyfuse3.Operations):
         a.st_gid = row["gid"]
         a.st_rdev = row["rdev"]
         a.st_size = row["size"]
-        a.st_atime_ns = row["atime_ns"]
+        a.st_atime_ns = self.index.pending_access(ino) or row["atime_ns"]
         a.st_mtime_ns = row["mtime_ns"]
         a.st_ctime_ns = row["ctime_ns"]
         a.st_blksize = self.config.frame_size
@@ -269,7 +269,6 @@ class Operations(pyfuse3.Operations):
         if inode in VIRTUAL_INODES:
             raise _err(errno.EPERM)
         row = self._row(inode)
-        now = time.time_ns()
         if fields.update_size:
             if stat.S_ISDIR(row["mode"]):
                 raise _err(errno.EISDIR)
@@ -278,6 +277,7 @@ class Operations(pyfuse3.Operations):
             if row["published_key"]:
                 raise _err(errno.EPERM)
             await self._truncate(inode, row, attr.st_size, commit_now=fh is None)
+        now = time.time_ns()  # after a truncation's commit, which stamped mtime and ctime
         changes = {}
         if fields.update_mode:
             changes["mode"] = stat.S_IFMT(row["mode"]) | stat.S_IMODE(attr.st_mode)
@@ -398,7 +398,7 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.EPERM)  # published in the shared L4: immutable for every node
         state = self._acquire(inode, row)
         try:
-            if flags & os.O_TRUNC and state.size:
+            if flags & os.O_TRUNC:  # even an empty file: open(O_TRUNC) marks mtime and ctime for update
                 await state.truncate(0)
         except BaseException:
             await self._release_state(state)

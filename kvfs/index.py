@@ -331,6 +331,7 @@ class Index:
         with self.transaction():
             self.db.execute("UPDATE entries SET inode = ? WHERE parent = ? AND name = ?", (b, parent_a, name_a))
             self.db.execute("UPDATE entries SET inode = ? WHERE parent = ? AND name = ?", (a, parent_b, name_b))
+            self.db.execute("UPDATE inodes SET ctime_ns = ? WHERE id IN (?, ?)", (now, a, b))
             a_dir, b_dir = (stat.S_ISDIR(self.get(x)["mode"]) for x in (a, b))
             if parent_a != parent_b and a_dir != b_dir:
                 self._touch_dir(parent_a, now, nlink_delta=1 if b_dir else -1)
@@ -376,6 +377,8 @@ class Index:
         bad = set(fields) - _ATTR_COLUMNS
         if bad:
             raise ValueError(f"not settable: {bad}")
+        if "atime_ns" in fields:
+            self.flush_access()  # an earlier read's batched atime must not overwrite the one set now
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self.transaction():
             self.db.execute(f"UPDATE inodes SET {cols} WHERE id = ?", (*fields.values(), ino))
@@ -456,11 +459,17 @@ class Index:
     def remove_xattr(self, ino: int, name: bytes) -> bool:
         with self.transaction():
             cur = self.db.execute("DELETE FROM xattrs WHERE inode = ? AND name = ?", (ino, name))
+            if cur.rowcount:
+                self.db.execute("UPDATE inodes SET ctime_ns = ? WHERE id = ?", (time.time_ns(), ino))
         return cur.rowcount > 0
 
     # -- batched access times, durability --------------------------------------------------------
     def note_access(self, ino: int) -> None:
         self._pending_access[ino] = time.time_ns()
+
+    def pending_access(self, ino: int) -> int | None:
+        """A read's access time not yet written (getattr shows it: atime moves with the read, not the flush)."""
+        return self._pending_access.get(ino)
 
     def flush_access(self) -> int:
         pending, self._pending_access = self._pending_access, {}

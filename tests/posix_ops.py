@@ -62,6 +62,22 @@ def _renameat2(a: str, b: str, flag: str) -> None:
         raise OSError(e, os.strerror(e), a)
 
 
+def statx_times(path: str) -> dict[str, int]:
+    """atime, mtime and ctime in ns, asked of the filesystem (AT_STATX_FORCE_SYNC: not the kernel's attribute
+    cache, which FUSE keeps for the attribute timeout), of the path itself (AT_SYMLINK_NOFOLLOW)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)
+    if libc.statx(AT_FDCWD, os.fsencode(path), 0x100 | 0x2000, 0xFFF, buf) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
+
+    def at(offset: int) -> int:
+        sec = int.from_bytes(buf.raw[offset:offset + 8], "little", signed=True)
+        return sec * 1_000_000_000 + int.from_bytes(buf.raw[offset + 8:offset + 12], "little")
+
+    return {"atime": at(64), "ctime": at(96), "mtime": at(112)}
+
+
 def _open(path: str, flags: str, mode: int = 0o644) -> None:
     os.close(os.open(path, _flags(flags), mode))
 

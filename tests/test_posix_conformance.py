@@ -240,3 +240,287 @@ def test_setgid_directory_passes_its_group_on(d: Path):
     assert run_as(NOBODY, NOBODY, [["create", f"{s}/f"], ["mkdir", f"{s}/sub", 0o755], ["stat", f"{s}/f", "gid"],
                                    ["stat", f"{s}/sub", "gid"], ["stat", f"{s}/sub", "mode"],
                                    ["stat", f"{s}/f", "uid"]]) == ["0", "0", 4321, 4321, oct(0o2755), NOBODY]
+
+
+# -- timestamps ------------------------------------------------------------------------------------------------
+def _set_xattr(p: Path) -> None:
+    os.setxattr(p, "user.t", b"1")
+
+
+def _remove_xattr(p: Path) -> None:
+    os.removexattr(p, "user.set-up")
+
+
+def _o_trunc(p: Path) -> None:
+    os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))
+
+
+def _uncached_read(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the daemon serves the read, not the page cache
+    assert os.read(fd, 10) == b"0123456789"
+    os.close(fd)
+
+
+def _write(p: Path) -> None:
+    with open(p, "r+b") as fh:
+        fh.write(b"w")
+
+
+def _utimens(atime, mtime):
+    return lambda p: run([["utimensat", str(p), atime, mtime]]) == ["0"] or pytest.fail("utimensat failed")
+
+
+# (operation on the directory d with file d/f (10 bytes, xattr user.set-up), d/e (empty), d/sub/; which (path,
+# field) must advance, all other fields of d, f, e and sub staying as they were; renamed entries: new -> old name)
+TIME_CASES = {
+    "create": (lambda d: (d / "new").touch(), {("d", "mtime"), ("d", "ctime")}),
+    "mkdir": (lambda d: (d / "nd").mkdir(), {("d", "mtime"), ("d", "ctime")}),
+    "mkfifo": (lambda d: os.mkfifo(d / "p"), {("d", "mtime"), ("d", "ctime")}),
+    "symlink": (lambda d: os.symlink("f", d / "s"), {("d", "mtime"), ("d", "ctime")}),
+    "link": (lambda d: os.link(d / "f", d / "sub" / "f2"),
+             {("f", "ctime"), ("sub", "mtime"), ("sub", "ctime")}),
+    "unlink_one_of_two_links": (lambda d: (os.link(d / "f", d / "g"), time.sleep(TIME_STEP), os.unlink(d / "g")),
+                                {("d", "mtime"), ("d", "ctime"), ("f", "ctime")}),
+    "rmdir": (lambda d: (d / "sub").rmdir(), {("d", "mtime"), ("d", "ctime")}),
+    "rename_in_dir": (lambda d: os.rename(d / "e", d / "e2"), {("d", "mtime"), ("d", "ctime")}),
+    "rename_across": (lambda d: os.rename(d / "f", d / "sub" / "f"),
+                      {("d", "mtime"), ("d", "ctime"), ("sub", "mtime"), ("sub", "ctime"), ("sub/f", "ctime")},
+                      {"sub/f": "f"}),
+    "rename_dir_across": (lambda d: (os.mkdir(d / "x"), time.sleep(TIME_STEP), os.rename(d / "sub", d / "x" / "sub")),
+                          {("d", "mtime"), ("d", "ctime"), ("x/sub", "ctime")}, {"x/sub": "sub"}),
+    "chmod": (lambda d: os.chmod(d / "f", 0o600), {("f", "ctime")}),
+    "chown": (lambda d: os.chown(d / "f", 7, 7), {("f", "ctime")}),
+    "write": (lambda d: _write(d / "f"), {("f", "mtime"), ("f", "ctime")}),
+    "truncate": (lambda d: os.truncate(d / "f", 3), {("f", "mtime"), ("f", "ctime")}),
+    "o_trunc": (lambda d: _o_trunc(d / "f"), {("f", "mtime"), ("f", "ctime")}),
+    "o_trunc_empty": (lambda d: _o_trunc(d / "e"), {("e", "mtime"), ("e", "ctime")}),
+    "setxattr": (lambda d: _set_xattr(d / "f"), {("f", "ctime")}),
+    "removexattr": (lambda d: _remove_xattr(d / "f"), {("f", "ctime")}),
+    "read": (lambda d: _uncached_read(d / "f"), {("f", "atime")}),
+    "utime_now_now": (lambda d: _utimens("NOW", "NOW")(d / "f"), {("f", "atime"), ("f", "mtime"), ("f", "ctime")}),
+    "utime_omit_now": (lambda d: _utimens("OMIT", "NOW")(d / "f"), {("f", "mtime"), ("f", "ctime")}),
+    "utime_now_omit": (lambda d: _utimens("NOW", "OMIT")(d / "f"), {("f", "atime"), ("f", "ctime")}),
+    "utime_omit_omit": (lambda d: _utimens("OMIT", "OMIT")(d / "f"), set()),
+    "exchange": (lambda d: run([["renameat2", str(d / "f"), str(d / "e"), "EXCHANGE"]]) == ["0"] or pytest.fail(),
+                 {("d", "mtime"), ("d", "ctime"), ("e", "ctime"), ("f", "ctime")}, {"e": "f", "f": "e"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIME_CASES))
+def test_times_per_operation(d: Path, case: str):
+    from posix_ops import statx_times
+
+    operation, advance, renamed = (*TIME_CASES[case], {})[:3]
+    (d / "f").write_bytes(b"0123456789")
+    os.setxattr(d / "f", "user.set-up", b"1")
+    (d / "e").touch()
+    (d / "sub").mkdir()
+    names = ["d", "f", "e", "sub"]
+
+    def snapshot() -> dict[str, dict[str, int]]:
+        return {n: statx_times(str(d if n == "d" else d / n)) for n in names}
+
+    time.sleep(TIME_STEP)  # the clock must move: setup and the operation can share a millisecond
+    before = snapshot()
+    time.sleep(TIME_STEP)
+    operation(d)
+    after = {n: statx_times(str(d if n == "d" else d / n)) for n in {*names, *renamed}
+             if n == "d" or (d / n).exists()}
+    wrong = []
+    for n, fields in after.items():
+        if fields["ctime"] < fields["mtime"]:  # no case sets times explicitly: a change is a status change
+            wrong.append(f"{n} ctime {fields['ctime']} before its mtime {fields['mtime']}")
+        old = before.get(renamed.get(n, n))
+        if old is None:
+            continue
+        for field in ("atime", "mtime", "ctime"):
+            want_advance = (n, field) in advance
+            if want_advance and not fields[field] > old[field]:
+                wrong.append(f"{n} {field} did not advance ({old[field]} -> {fields[field]})")
+            if not want_advance and fields[field] != old[field]:
+                wrong.append(f"{n} {field} changed ({old[field]} -> {fields[field]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_explicit_atime_outlives_an_earlier_reads_batched_atime(make_mount):
+    """kvfs batches read access times; one set by utimensat after a read must not be overwritten when the
+    batch is written (here: at unmount)."""
+    m = make_mount().start()
+    f = m.path("f")
+    f.write_bytes(b"0123456789")
+    _uncached_read(f)
+    os.utime(f, ns=(1_000_000_007, 2_000_000_009))
+    m.stop()
+    m.start(*m.args)
+    st = f.stat()
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_007, 2_000_000_009)
+
+
+def test_utimensat_values(d: Path):
+    from posix_ops import statx_times
+
+    f = str(d / "f")
+    (d / "f").write_bytes(b"x")
+    assert run([["utimensat", f, 1_500_000_000_123_456_789, 1_600_000_000_987_654_321]]) == ["0"]
+    t = statx_times(f)
+    assert (t["atime"], t["mtime"]) == (1_500_000_000_123_456_789, 1_600_000_000_987_654_321)
+    assert t["ctime"] > 1_700_000_000 * 10**9  # a status change: now, not the time given
+    assert run([["utimensat", f, "OMIT", 42]]) == ["0"]
+    assert (statx_times(f)["atime"], statx_times(f)["mtime"]) == (1_500_000_000_123_456_789, 42)
+    before = time.time_ns()
+    assert run([["utimensat", f, "NOW", "OMIT"]]) == ["0"]
+    t = statx_times(f)
+    assert t["atime"] >= before - 10_000_000 and t["mtime"] == 42  # the kernel's clock may be coarser
+    os.symlink("f", d / "s")
+    assert run([["utimensat", f, -5_000_000_000, 0]]) == ["0"]  # before the epoch
+    assert statx_times(f)["atime"] == -5_000_000_000
+
+
+# -- open flags ------------------------------------------------------------------------------------------------
+def test_o_append_writes_at_the_end_whatever_the_offset(d: Path):
+    f = d / "log"
+    f.write_bytes(b"start:")
+    a = os.open(f, os.O_WRONLY | os.O_APPEND)
+    b = os.open(f, os.O_WRONLY | os.O_APPEND)
+    plain = os.open(f, os.O_WRONLY)
+    try:
+        os.write(a, b"a1;")
+        os.lseek(b, 0, os.SEEK_SET)
+        os.write(b, b"b1;")  # at the end, not at 0
+        os.pwrite(plain, b"S", 0)
+        os.write(a, b"a2;")
+        os.pwrite(b, b"b2;", 0)  # Linux: pwrite on an O_APPEND descriptor appends too
+        assert os.lseek(a, 0, os.SEEK_CUR) == len(b"start:a1;b1;a2;")
+    finally:
+        for fd in (a, b, plain):
+            os.close(fd)
+    assert f.read_bytes() == b"Start:a1;b1;a2;b2;"
+
+
+def test_o_excl_has_one_winner_among_racing_creators(d: Path):
+    winners, losers = [], []
+
+    def create(i: int) -> None:
+        try:
+            fd = os.open(d / "lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            losers.append(i)
+            return
+        os.write(fd, str(i).encode())
+        os.close(fd)
+        winners.append(i)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and len(losers) == 15
+    assert (d / "lock").read_bytes() == str(winners[0]).encode()
+
+
+def test_o_trunc_empties_the_file_for_every_handle(d: Path):
+    f = d / "t"
+    f.write_bytes(os.urandom(3_000_000))
+    reader = os.open(f, os.O_RDONLY)
+    try:
+        fd = os.open(f, os.O_RDWR | os.O_TRUNC)
+        assert os.fstat(fd).st_size == 0 and os.pread(reader, 10, 0) == b""
+        os.write(fd, b"after")
+        os.close(fd)
+        assert os.pread(reader, 10, 0) == b"after"
+    finally:
+        os.close(reader)
+    assert f.read_bytes() == b"after" and f.stat().st_size == 5
+
+
+# -- hard links --------------------------------------------------------------------------------------------------
+def test_hard_links_share_data_and_count(d: Path):
+    a, b, c = d / "a", d / "sub" / "b", d / "c"
+    (d / "sub").mkdir()
+    a.write_bytes(b"one")
+    os.link(a, b)
+    os.link(b, c)
+    assert [p.stat().st_nlink for p in (a, b, c)] == [3, 3, 3]
+    assert a.stat().st_ino == b.stat().st_ino == c.stat().st_ino
+    with open(b, "r+b") as fh:
+        fh.write(b"TWO")
+    assert a.read_bytes() == c.read_bytes() == b"TWO"
+    os.rename(a, c)  # two names of one file: nothing happens
+    assert a.exists() and c.exists() and a.stat().st_nlink == 3
+    other = d / "other"
+    other.write_bytes(b"other")
+    os.rename(other, b)  # replaces one name of the linked file
+    assert a.stat().st_nlink == 2 and b.read_bytes() == b"other" and b.stat().st_nlink == 1
+    with open(a, "rb") as fh:
+        os.unlink(a)
+        assert c.stat().st_nlink == 1
+        os.unlink(c)
+        assert fh.read() == b"TWO"  # the last name is gone, the open handle still reads
+    assert sorted(os.listdir(d)) == ["sub"]
+
+
+# -- rename rules ------------------------------------------------------------------------------------------------
+def test_rename_directory_over_an_empty_one(d: Path):
+    for path in ("src/inner", "dst-parent/empty"):
+        (d / path).mkdir(parents=True)
+    (d / "src" / "inner" / "f").write_bytes(b"f")
+    parent_links = (d / "dst-parent").stat().st_nlink, d.stat().st_nlink
+    replaced_ino = (d / "dst-parent" / "empty").stat().st_ino
+    os.rename(d / "src", d / "dst-parent" / "empty")
+    moved = d / "dst-parent" / "empty"
+    assert (moved / "inner" / "f").read_bytes() == b"f" and not (d / "src").exists()
+    assert moved.stat().st_ino != replaced_ino
+    assert ((d / "dst-parent").stat().st_nlink, d.stat().st_nlink) == (parent_links[0], parent_links[1] - 1)
+    assert os.stat(moved / "..").st_ino == (d / "dst-parent").stat().st_ino
+    assert os.stat(moved / "inner" / "..").st_ino == moved.stat().st_ino
+    with pytest.raises(OSError) as e:  # never into its own subtree, however deep
+        os.rename(d / "dst-parent", moved / "inner" / "x")
+    assert e.value.errno == errno.EINVAL
+    os.rename(moved / "inner", d / "inner")  # out of it is fine
+    assert moved.stat().st_nlink == 2 and d.stat().st_nlink == 4
+
+
+# -- names and paths at the limits ---------------------------------------------------------------------------------
+PATH_MAX = 4096  # bytes, with the terminating NUL
+
+
+def test_paths_at_path_max(d: Path):
+    """A path of PATH_MAX - 1 bytes resolves; one byte more is ENAMETOOLONG. Deeper trees are reachable
+    relative to a directory descriptor."""
+    base = os.fsencode(d)
+    parts, path = [], base
+    while len(path) + 1 + 255 < PATH_MAX - 1:
+        parts.append(b"%c" % (ord("a") + len(parts) % 26) * 255)
+        path = os.path.join(path, parts[-1])
+    os.makedirs(path)
+    leaf = os.path.join(path, b"L" * (PATH_MAX - 1 - len(path) - 1))
+    assert len(leaf) == PATH_MAX - 1
+    with open(leaf, "wb") as fh:
+        fh.write(b"at PATH_MAX")
+    with open(leaf, "rb") as fh:
+        assert fh.read() == b"at PATH_MAX"
+    assert os.stat(leaf).st_size == 11
+    with pytest.raises(OSError) as e:
+        os.stat(leaf + b"x")
+    assert e.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(OSError) as e:
+        os.open(leaf + b"x", os.O_CREAT | os.O_WRONLY)
+    assert e.value.errno == errno.ENAMETOOLONG
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # beyond PATH_MAX, one level at a time
+    try:
+        for _ in range(3):
+            os.mkdir(b"z" * 255, dir_fd=fd)
+            nxt = os.open(b"z" * 255, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        out = os.open(b"deep", os.O_CREAT | os.O_WRONLY, dir_fd=fd)
+        os.write(out, b"deep")
+        os.close(out)
+        inp = os.open(b"deep", os.O_RDONLY, dir_fd=fd)
+        assert os.read(inp, 10) == b"deep"
+        os.close(inp)
+    finally:
+        os.close(fd)
+    assert os.listdir(d) == [parts[0].decode()]
