@@ -524,3 +524,28 @@ def test_paths_at_path_max(d: Path):
     finally:
         os.close(fd)
     assert os.listdir(d) == [parts[0].decode()]
+
+
+# -- what kvfs does not do ---------------------------------------------------------------------------------------
+def test_unsupported_features_answer_clearly(d: Path):
+    """No POSIX ACLs, no O_TMPFILE, no security.* xattrs: each fails with EOPNOTSUPP, nothing half-done."""
+    f = d / "f"
+    f.write_bytes(b"x")
+    # an ACL granting nobody read access: user::rw- user:65534:r-- group::r-- mask::r-- other::r--
+    entries = [(0x01, 6, 0xFFFFFFFF), (0x02, 4, NOBODY), (0x04, 4, 0xFFFFFFFF), (0x10, 4, 0xFFFFFFFF),
+               (0x20, 4, 0xFFFFFFFF)]
+    acl = (2).to_bytes(4, "little") + b"".join(
+        t.to_bytes(2, "little") + p.to_bytes(2, "little") + i.to_bytes(4, "little") for t, p, i in entries)
+    for name, value in (("system.posix_acl_access", acl), ("security.selinux", b"x")):
+        with pytest.raises(OSError) as e:
+            os.setxattr(f, name, value)
+        assert e.value.errno == errno.EOPNOTSUPP, name
+    with pytest.raises(OSError) as e:
+        os.open(d, os.O_TMPFILE | os.O_RDWR, 0o600)
+    assert e.value.errno == errno.EOPNOTSUPP
+    assert os.listdir(d) == ["f"] and stat.S_IMODE(f.stat().st_mode) == 0o644
+    fd = os.open(f, os.O_RDWR | os.O_DIRECT)  # accepted, and served like any other descriptor
+    try:
+        assert os.pwrite(fd, b"d" * 4096, 0) == 4096 and os.pread(fd, 4096, 0) == b"d" * 4096
+    finally:
+        os.close(fd)
