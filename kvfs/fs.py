@@ -162,7 +162,9 @@ class Operations(pyfuse3.Operations):
         if state is not None and state.modified:
             a.st_size = state.size
             if state.mtime_ns:
-                a.st_mtime_ns = a.st_ctime_ns = state.mtime_ns
+                a.st_mtime_ns = state.mtime_ns  # a utimensat's while unsaved writes wait keeps its value
+            if state.ctime_ns:
+                a.st_ctime_ns = max(state.ctime_ns, a.st_ctime_ns)
         return a
 
     def _virtual_attrs(self, ino: int) -> pyfuse3.EntryAttributes:

@@ -384,13 +384,14 @@ class Index:
             self.db.execute(f"UPDATE inodes SET {cols} WHERE id = ?", (*fields.values(), ino))
 
     def switch_object(self, ino: int, *, gen: int, tier: str | None, size: int, stored_bytes: int,
-                      codec: str | None, transform: str | None, mtime_ns: int) -> None:
-        """Point a file at a new object (or none: gen 0) in one transaction."""
+                      codec: str | None, transform: str | None, mtime_ns: int, ctime_ns: int | None = None) -> None:
+        """Point a file at a new object (or none: gen 0) in one transaction. ctime (default: mtime) only moves
+        forward: a chmod or utimensat after the last write is a later status change."""
         with self.transaction():
             self.db.execute(
                 "UPDATE inodes SET obj_gen = ?, obj_tier = ?, size = ?, stored_bytes = ?, codec = ?, "
-                "transform = ?, mtime_ns = ?, ctime_ns = ?, last_access_ns = ? WHERE id = ?",
-                (gen, tier, size, stored_bytes, codec, transform, mtime_ns, mtime_ns, time.time_ns(), ino))
+                "transform = ?, mtime_ns = ?, ctime_ns = MAX(ctime_ns, ?), last_access_ns = ? WHERE id = ?",
+                (gen, tier, size, stored_bytes, codec, transform, mtime_ns, ctime_ns or mtime_ns, time.time_ns(), ino))
 
     def path_of(self, ino: int) -> list[bytes] | None:
         """The names from the root to a file with exactly one name (hard links have no one path)."""

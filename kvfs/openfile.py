@@ -246,7 +246,8 @@ class OpenFile:
         self.modified = False
         self.changes = 0  # writes and truncates so far
         self.failed_at: int | None = None  # `changes` when a commit last failed (None: none failed since)
-        self.mtime_ns: int | None = None
+        self.mtime_ns: int | None = None  # of unsaved changes: the last write's, or one set since
+        self.ctime_ns: int | None = None  # the last write's (an explicit mtime is not a ctime)
         self.lock = lock  # the inode's lock, shared with the mover
         self.cache: OrderedDict[tuple[int, int], bytes | bytearray] = OrderedDict()
         self.inflight: dict[tuple[int, int], trio.Event] = {}
@@ -440,7 +441,7 @@ class OpenFile:
             self.size = max(self.size, end)
             self.modified = True
             self.changes += 1
-            self.mtime_ns = time.time_ns()
+            self.mtime_ns = self.ctime_ns = time.time_ns()
         return len(data)
 
     async def truncate(self, new_size: int) -> None:
@@ -463,7 +464,7 @@ class OpenFile:
             self.size = new_size
             self.modified = True
             self.changes += 1
-            self.mtime_ns = time.time_ns()
+            self.mtime_ns = self.ctime_ns = time.time_ns()
 
     def _encode_early(self, i: int, df: DirtyFrame) -> None:
         if self._eager < MAX_EAGER:
@@ -532,7 +533,7 @@ class OpenFile:
         mtime = self.mtime_ns or time.time_ns()
         if n == 0:
             self.index.switch_object(self.ino, gen=0, tier=None, size=0, stored_bytes=0, codec=None,
-                                     transform=None, mtime_ns=mtime)
+                                     transform=None, mtime_ns=mtime, ctime_ns=self.ctime_ns)
             new_ref, new_layout = None, None
         else:
             lossy_mode, lossy_param = self.policy.lossy_header
@@ -548,7 +549,8 @@ class OpenFile:
             new_ref = await self.store.put(self.ino, gen, parts, replacing=old, durable=durable)
             self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,
                                      stored_bytes=new_ref.stored_bytes, codec=_summary_codec(frames),
-                                     transform=transforms.NAMES[header.transform], mtime_ns=mtime)
+                                     transform=transforms.NAMES[header.transform], mtime_ns=mtime,
+                                     ctime_ns=self.ctime_ns)
             new_layout = Layout(header, entries)
             self.store.keep_layout(new_ref, new_layout)  # the next open reads frames without loading the table
         self._publish(new_ref, new_layout, size)
@@ -573,7 +575,7 @@ class OpenFile:
         self._drop_dirty(self.dirty)
         self.clean_limit = size
         self.modified = False
-        self.mtime_ns = None
+        self.mtime_ns = self.ctime_ns = None
 
     async def _encode_into(self, frames: list, i: int, df: DirtyFrame, length: int) -> None:
         if df.encoding is not None and df.encoding[0] == df.version:

@@ -357,6 +357,26 @@ def test_explicit_atime_outlives_an_earlier_reads_batched_atime(make_mount):
     assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_007, 2_000_000_009)
 
 
+def test_times_set_while_writes_are_unsaved(d: Path):
+    """An explicit mtime on a file with unsaved writes is kept by the commit at close; ctime is the status
+    change's time, never the mtime given."""
+    from posix_ops import statx_times
+
+    f = d / "f"
+    fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, b"unsaved")
+        before = time.time_ns() - 10_000_000  # the kernel's clock may be coarser
+        os.utime(f, ns=(1_000_000_000, 2_000_000_000))
+        t = statx_times(str(f))
+        assert t["mtime"] == 2_000_000_000 and t["ctime"] >= before, t
+    finally:
+        os.close(fd)
+    t = statx_times(str(f))
+    assert t["mtime"] == 2_000_000_000 and t["ctime"] >= before, t
+    assert f.read_bytes() == b"unsaved"
+
+
 def test_utimensat_values(d: Path):
     from posix_ops import statx_times
 
