@@ -37,6 +37,7 @@ class Fsx:
     """The model (one bytearray per file) and the open descriptors of the files under test."""
 
     def __init__(self, directory: Path, seed: int) -> None:
+        self.seed = seed
         self.rng = random.Random(seed)
         self.paths = [directory / f"fsx-{i}" for i in range(FILES)]
         self.model = [bytearray() for _ in range(FILES)]
@@ -47,7 +48,7 @@ class Fsx:
 
     # -- helpers -------------------------------------------------------------------------------------------
     def fail(self, what: str) -> None:
-        raise FsxFailure(f"fsx seed {SEED}, operation {self.ops_done}: {what}\nlast operations:\n"
+        raise FsxFailure(f"fsx seed {self.seed}, operation {self.ops_done}: {what}\nlast operations:\n"
                          + "\n".join(self.log))
 
     def compare(self, i: int, off: int, got: bytes, how: str) -> None:

@@ -502,6 +502,34 @@ def test_rename_directory_over_an_empty_one(d: Path):
     assert moved.stat().st_nlink == 2 and d.stat().st_nlink == 4
 
 
+def test_readdir_returns_each_unchanged_entry_once_while_the_directory_changes(d: Path):
+    """Entries removed or added during a readdir may or may not appear; every other one appears exactly once
+    (kvfs's cookies are stable entry ids, so a listing resumes where it was)."""
+    names = {f"f{i:04d}" for i in range(1500)}
+    for name in names:
+        (d / name).touch()
+    seen, removed = [], set()
+    with os.scandir(d) as entries:
+        for k, entry in enumerate(entries):
+            seen.append(entry.name)
+            if entry.name in removed or entry.name not in names:
+                continue  # removed after the listing fetched it, or added: either may appear
+            if k % 3 == 0:
+                os.unlink(entry.path)
+                removed.add(entry.name)
+            if k % 3 == 1:  # a name not yet listed goes too
+                victim = f"f{(int(entry.name[1:]) + 700) % 1500:04d}"
+                if victim not in removed and victim not in seen:
+                    os.unlink(d / victim)
+                    removed.add(victim)
+            if k == 100:
+                for j in range(40):
+                    (d / f"new{j}").touch()
+    assert len(seen) == len(set(seen)), "an entry came twice"
+    assert names - removed <= set(seen), sorted(names - removed - set(seen))[:10]
+    assert set(os.listdir(d)) == (names - removed) | {f"new{j}" for j in range(40)}
+
+
 # -- names and paths at the limits ---------------------------------------------------------------------------------
 PATH_MAX = 4096  # bytes, with the terminating NUL
 
