@@ -39,6 +39,10 @@ def main() -> None:
 @click.option("--l4-shared", is_flag=True, default=None,
               help="the L4 prefix is one namespace for every mount on it: files published by path, immutable "
                    "once there, first writer of a name wins")
+@click.option("--l4-takeover", is_flag=True,
+              help="take over a private L4 another mount owns once its lease has expired (its owner is gone); "
+                   "this mount's reconcile then deletes the objects the previous owner's index named")
+@click.option("--force", is_flag=True, help="take over a private L4 another mount owns now, even while it lives")
 @click.option("--l4-write", type=click.Choice(["demote", "through"]),
               help="demote (default): files reach L4 when L3 demotes them; through: every committed file is also "
                    "published to the shared L4 a second after its last close")
@@ -65,7 +69,7 @@ def main() -> None:
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
               help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (docs/metrics.md)")
 @click.option("--metrics-address", metavar="ADDR", help="address the metrics port binds to (default 127.0.0.1)")
-def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
+def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_takeover, force, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
           log_file, debug, metrics_port, metrics_address):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
@@ -74,7 +78,8 @@ def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_writ
                            promote=promote, idle=idle, codec=codec,
                            dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
                            debug=debug, log_file=log_file, metrics_port=metrics_port,
-                           metrics_address=metrics_address)
+                           metrics_address=metrics_address,
+                           l4_takeover="force" if force else "expired" if l4_takeover else None)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if cfg.codec == "qat":

@@ -18,6 +18,8 @@ DEFAULT_L4_CAPACITY = 1 << 60  # remote stores: unlimited unless the mount is gi
 DEFAULT_HIGH_WATERMARK = 0.90  # the mover starts draining a tier above this fraction of its capacity …
 DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
+DEFAULT_L4_LEASE_S = 60.0  # a private L4's claim (kvfs/owner.py): renewed every quarter of it
+TAKEOVERS = ("expired", "force")  # --l4-takeover, --force
 CODECS = ("auto", "entropy", "zstd", "deflate", "qat", "none")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "none")
 
@@ -138,6 +140,8 @@ class Config:
     log_file: Path | None = None
     metrics_port: int | None = None  # Prometheus metrics on metrics_address:metrics_port (kvfs/metrics.py)
     metrics_address: str = "127.0.0.1"
+    l4_lease_s: float = DEFAULT_L4_LEASE_S  # [l4] lease: how long a private L4's claim outlives its last renewal
+    l4_takeover: str | None = None  # take over another mount's private L4: "expired" (its lease) or "force"
 
     @property
     def lossy_mode(self) -> lossy.Lossy:
@@ -212,7 +216,7 @@ def _l4_config(section: dict, target: str | None, capacity: str | None, path_sty
                shared: bool | None = None, write_policy: str | None = None) -> TierConfig | None:
     """L4 from its TOML section and the command line: an s3:// URL (any S3-compatible store) or a directory
     on a mounted distributed filesystem. Credentials only from TOML or the environment, never arguments."""
-    tier_keys = {"url", "capacity", "high_watermark", "low_watermark"}
+    tier_keys = {"url", "capacity", "high_watermark", "low_watermark", "lease"}  # lease: build_config's
     unknown = set(section) - tier_keys - set(S3_KEYS) - set(S3_SIZE_KEYS)
     if unknown:
         raise ConfigError(f"unknown keys in [l4]: {sorted(unknown)}")
@@ -297,6 +301,7 @@ def build_config(
     log_file: str | Path | None = None,
     metrics_port: int | None = None,
     metrics_address: str | None = None,
+    l4_takeover: str | None = None,
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
     toml = load_toml(Path(config_file)) if config_file else {}
@@ -321,6 +326,12 @@ def build_config(
     if l4_tier is not None and l4_tier.path is not None and any(
             t is not None and t.path.resolve() == l4_tier.path.resolve() for t in (l2_tier, l3_tier)):
         raise ConfigError("L4 must be a directory of its own")
+    lease_s = _l4_lease(toml.get("l4", {}))
+    if l4_takeover is not None:
+        if l4_takeover not in TAKEOVERS:
+            raise ConfigError(f"unknown takeover {l4_takeover!r}")
+        if l4_tier is None or (l4_tier.s3 is not None and l4_tier.s3.shared):
+            raise ConfigError("--l4-takeover and --force take over a private L4 (--l4): a shared one has no owner")
     promotion = PromotionPolicy.parse(promote or mount_t.get("promote", "always"))
     idle_s = parse_idle(idle if idle is not None else mount_t.get("idle", 0))
 
@@ -360,7 +371,19 @@ def build_config(
         log_file=Path(lfile).expanduser() if lfile else None,
         metrics_port=port,
         metrics_address=str(metrics_address or mount_t.get("metrics_address", "127.0.0.1")),
+        l4_lease_s=lease_s,
+        l4_takeover=l4_takeover,
     )
+
+
+def _l4_lease(section: dict) -> float:
+    try:
+        lease = parse_duration(section.get("lease", DEFAULT_L4_LEASE_S))
+    except ValueError as e:
+        raise ConfigError(f"[l4] lease: {e}") from None
+    if lease < 2:
+        raise ConfigError(f"[l4] lease {section.get('lease')!r} is under 2 s: renewals come every quarter of it")
+    return lease
 
 
 def _metrics_port(value) -> int | None:

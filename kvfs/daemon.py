@@ -17,7 +17,7 @@ import sys
 import pyfuse3
 import trio
 
-from . import metrics, native_stderr, sdnotify
+from . import metrics, native_stderr, owner, sdnotify
 from .codecs import qat
 from .codecs.qat import QatCodec
 from .config import Config
@@ -96,6 +96,17 @@ def run(config: Config) -> int:
     lock_fd = _lock_state_dir(config)
     index = Index(config.index_path)
     tiers = open_tiers(config)
+    claim = owner.claim_l4(tiers, config.state_dir, config.l4_lease_s, config.l4_takeover)
+    try:
+        return _mount_and_serve(config, index, tiers, claim)
+    finally:
+        if claim is not None:
+            claim.release()  # after the last write: the next owner may start at once
+        os.close(lock_fd)
+
+
+def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: owner.Claim | None) -> int:
+    """Reconcile (the L4 claimed: kvfs/owner.py), mount, serve until unmounted; returns the exit status."""
     report = reconcile(index, tiers)
     _warn_if_disk_smaller(tiers)
     counters = Counters(reconcile_orphans_removed=report.orphans_removed,
@@ -132,31 +143,33 @@ def run(config: Config) -> int:
     sdnotify.notify("READY=1", f"STATUS=mounted {config.mountpoint}")
     clean = False
     try:
-        trio.run(_serve, ops, index, mover, exporter)
+        trio.run(_serve, ops, index, mover, exporter, claim)
         clean = True
     finally:
         if exporter is not None:
             exporter.close()
         pyfuse3.close(unmount=True)
         index.close()
-        os.close(lock_fd)
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
     return 0
 
 
 def open_tiers(config: Config) -> list[Tier]:
-    """The configured tiers, fastest first; an object store must answer now (SystemExit with the reason)."""
+    """The configured tiers, fastest first; an object store must answer now (SystemExit with the reason). A
+    private L4 comes fenced (read-only) until this process claims it (kvfs/owner.py)."""
     tiers: list[Tier] = []
     for t in config.tiers:
         if t.s3 is None:
             tiers.append(DirectoryTier(t.name, t.path, t.capacity, t.persistent))
-            continue
-        tier = S3Tier(t.name, t.s3, t.capacity)
-        try:
-            tier.check()
-        except S3Unavailable as e:
-            raise SystemExit(f"kvfs: {e.strerror}") from None
-        tiers.append(tier)
+        else:
+            tier = S3Tier(t.name, t.s3, t.capacity)
+            try:
+                tier.check()
+            except S3Unavailable as e:
+                raise SystemExit(f"kvfs: {e.strerror}") from None
+            tiers.append(tier)
+        if t is config.l4 and not tiers[-1].shared:
+            tiers[-1].fenced = owner.NOT_CLAIMED
     return tiers
 
 
@@ -192,7 +205,8 @@ def _warn_if_disk_smaller(tiers: list[Tier]) -> None:
                         "disk", tier.name, tier.capacity >> 20, tier.root, room >> 20)
 
 
-async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.Exporter | None = None) -> None:
+async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.Exporter | None = None,
+                 claim: owner.Claim | None = None) -> None:
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
         if exporter is not None:
@@ -200,6 +214,8 @@ async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.
         nursery.start_soon(_watch_signals)
         nursery.start_soon(mover.run)
         nursery.start_soon(_flush_periodically, index, ops.counters)
+        if claim is not None:
+            nursery.start_soon(claim.keep)
         if ops.shared is not None:
             nursery.start_soon(ops.shared.log_reads_periodically, ops.shared.tier.location.access_log_s)
         await pyfuse3.main()

@@ -1,6 +1,7 @@
 """kvfs fsck on an unmounted state directory (`kvfs fsck --config FILE`): the check of kvfs/fsck.py with nothing
 else running. It takes the daemon's own lock on STATE_DIR/lock, so it never runs beside a mount of that state
-(which is checked live instead: `kvfs fsck MOUNTPOINT`)."""
+(which is checked live instead: `kvfs fsck MOUNTPOINT`). A check reads a private L4 without claiming it; a repair
+claims it first, as a mount does (kvfs/owner.py), and is refused while another mount owns it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 import trio
 
+from . import owner
 from .config import Config
 from .daemon import open_tiers
 from .fsck import Checker, Host, Report
@@ -30,7 +32,8 @@ def run_offline(config: Config, repair: bool, on_progress: Callable[[Report], No
         try:
             try:
                 tiers = open_tiers(config)
-            except SystemExit as e:  # a remote tier does not answer: its reason
+                claim = owner.claim_l4(tiers, config.state_dir, config.l4_lease_s, None) if repair else None
+            except SystemExit as e:  # a remote tier does not answer, or another mount owns L4: the reason
                 raise FsckError(str(e.code).removeprefix("kvfs: ")) from None
             store = Store(tiers)
             checker = Checker(index, store, Host(index, store), repair, on_progress)
@@ -38,6 +41,9 @@ def run_offline(config: Config, repair: bool, on_progress: Callable[[Report], No
                 return trio.run(checker.run)
             except OSError as e:
                 raise FsckError(f"the check could not finish: {e}") from None
+            finally:
+                if claim is not None:
+                    claim.release()
         finally:
             index.close()
     finally:

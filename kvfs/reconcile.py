@@ -6,6 +6,8 @@
   unless a complete copy of that very object sits in another tier (a move cut short), which is adopted;
 - an object in two tiers (a move cut short before the source was unlinked) is kept where the row says;
 - a shared L4 is not listed: its rows are kept (their objects are verified when read) and counted;
+- a fenced tier (a private L4 this process has not claimed: kvfs/owner.py) is listed but nothing in it is
+  deleted: another mount may own those objects;
 - tier usage counters are seeded from what remains.
 """
 
@@ -27,6 +29,7 @@ class ReconcileReport:
     rows_dropped: int = 0
     unlinked_deleted: int = 0
     objects_adopted: int = 0
+    orphans_kept: int = 0  # in a fenced tier: not this process's to delete
 
 
 def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
@@ -37,7 +40,8 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
 
     found: dict[str, dict[str, int]] = {}  # object id → {tier: size}
     for tier in tiers:
-        report.strays_removed += tier.remove_strays()
+        if tier.fenced is None:
+            report.strays_removed += tier.remove_strays()
         for info in tier.scan():
             found.setdefault(info.object_id, {})[tier.name] = info.size
 
@@ -76,6 +80,8 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
             if (tier_name, oid) in keep:
                 tier.used_bytes += size
                 tier.files += 1
+            elif tier.fenced is not None:
+                report.orphans_kept += 1
             else:
                 tier.delete(oid)
                 report.orphans_removed += 1

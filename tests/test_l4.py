@@ -33,10 +33,12 @@ def start_with_l4(m: KvfsMount, cluster, prefix: str, *args: str, l2: str = "8M"
 
 
 def l4_keys(cluster, prefix: str) -> dict[str, int]:
+    """Every key under the prefix but the owner record of its claim (tests/test_l4_owner.py)."""
     s3 = s3_client(cluster)
     keys = {}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kvfs-test", Prefix=f"{prefix}/"):
         keys.update({item["Key"]: item["Size"] for item in page.get("Contents", [])})
+    keys.pop(f"{prefix}/.kvfs-owner", None)
     return keys
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 from collections.abc import Iterable, Iterator
 
 COPY_CHUNK = 4 << 20
@@ -40,13 +41,21 @@ class Tier(abc.ABC):
 
     deadline_s: float | None = None  # remote tiers: the longest one call may take, retries included
     shared = False  # one namespace with other mounts (an S3 prefix in shared mode): files published by path
+    # Why this process must not write or delete here (a private L4 not claimed, or taken over by another
+    # mount: kvfs/owner.py), or None. Reads go on: objects are verified by their checksums.
+    fenced: str | None = None
 
     def admit(self) -> None:
         """Raise (OSError EIO) at once when the tier is known to be down; local tiers never are."""
 
     def available(self) -> bool:
-        """False while the tier is known to be down (moves to it pause)."""
-        return True
+        """False while the tier is known to be down or is fenced (moves to it pause)."""
+        return self.fenced is None
+
+    def check_writable(self) -> None:
+        """Raise OSError EROFS when the tier is fenced: no write or deletion may reach it."""
+        if self.fenced is not None:
+            raise OSError(errno.EROFS, f"{self.name} {self.describe()}: {self.fenced}")
 
     def note_timeout(self, what: str) -> None:
         """A call was abandoned at its deadline (a hung store): counts as a failure."""

@@ -31,6 +31,7 @@ class DirectoryTier(Tier):
         return self.root / shard / object_id
 
     def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
+        self.check_writable()
         path = self._path(object_id)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(path.name + TMP_SUFFIX)
@@ -72,6 +73,7 @@ class DirectoryTier(Tier):
             return None
 
     def delete(self, object_id: str) -> None:
+        self.check_writable()
         _unlink_quietly(self._path(object_id))
 
     def scan(self) -> Iterator[ObjectInfo]:
@@ -111,6 +113,7 @@ class DirectoryTier(Tier):
             return None
 
     def remove_stray(self, name: str) -> None:
+        self.check_writable()
         path = self._stray_path(name)
         if path is not None:
             _unlink_quietly(path)

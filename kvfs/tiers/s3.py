@@ -109,7 +109,7 @@ class S3Tier(Tier):
         self.breaker.admit()
 
     def available(self) -> bool:
-        return self.breaker.available()
+        return self.fenced is None and self.breaker.available()
 
     def note_timeout(self, what: str) -> None:
         with self._lock:
@@ -136,6 +136,7 @@ class S3Tier(Tier):
     def publish(self, object_id: str, source: Tier, source_id: str, size: int, meta: dict[str, str]) -> str:
         """Upload a file under its path id if no one has (If-None-Match: *). Returns the ETag; FileExistsError
         when another node published that name first."""
+        self.check_writable()
         body = b"".join(source.chunks(source_id, size))
         if len(body) != size:
             raise fmt.CorruptObject(f"object {source_id} in {source.name} is shorter than {size} bytes")
@@ -188,6 +189,7 @@ class S3Tier(Tier):
     def put_access_log(self, name: str, lines: str) -> None:
         """One batch of this mount's reads of published files: '<file id>\t<unix seconds>' per line."""
         root = f"{self.location.prefix}/{ACCESS}" if self.location.prefix else ACCESS
+        self.check_writable()
         body = lines.encode()
         self._call("put", self.client.put_object, Bucket=self.location.bucket, Key=f"{root}/{name}", Body=body)
         self._count(out=len(body))
@@ -201,6 +203,7 @@ class S3Tier(Tier):
         return True
 
     def put(self, object_id: str, parts: Iterable[bytes], durable: bool) -> int:
+        self.check_writable()
         key = self._key(object_id)
         buffered: list[bytes] = []
         size = 0
@@ -262,9 +265,11 @@ class S3Tier(Tier):
         return int(answer["ContentLength"])
 
     def delete(self, object_id: str) -> None:
+        self.check_writable()
         self._call("delete", self.client.delete_object, Bucket=self.location.bucket, Key=self._key(object_id))
 
     def delete_many(self, object_ids: list[str]) -> None:
+        self.check_writable()
         for i in range(0, len(object_ids), 1000):
             keys = [{"Key": self._key(oid)} for oid in object_ids[i:i + 1000]]
             answer = self._call("delete", self.client.delete_objects, Bucket=self.location.bucket,
@@ -283,6 +288,7 @@ class S3Tier(Tier):
 
     def remove_strays(self) -> int:
         """Abandoned multipart uploads (a crash mid-upload) and keys out of place under the prefix."""
+        self.check_writable()
         removed = 0
         uploads = self._call("list", self.client.list_multipart_uploads, Bucket=self.location.bucket,
                              Prefix=self._base)
@@ -300,6 +306,7 @@ class S3Tier(Tier):
     def quarantine(self, object_id: str) -> str:
         """Move a corrupt object (server-side copy, then delete) under <prefix>/quarantine/, outside objects/
         and files/: never scanned, looked up or adopted again, by this node or another."""
+        self.check_writable()
         root = f"{self.location.prefix}/{QUARANTINE}" if self.location.prefix else QUARANTINE
         key = f"{root}/{object_id.replace('/', '%2F')}"
         self._call("put", self.client.copy_object, Bucket=self.location.bucket, Key=key,
@@ -313,7 +320,8 @@ class S3Tier(Tier):
         with self._lock:
             doc = {"endpoint": self.client.meta.endpoint_url, "requests": dict(self.requests),
                    "bytes_downloaded": self.bytes_in, "bytes_uploaded": self.bytes_out, "failures": self.failures,
-                   "timeouts": self.timeouts, "quarantined": self.quarantined}
+                   "timeouts": self.timeouts, "quarantined": self.quarantined,
+                   "fenced": self.fenced}  # why no writes go there now (kvfs/owner.py), or None
         return {**doc, **self.breaker.stats()}
 
     # -- helpers -----------------------------------------------------------------------------------------
