@@ -420,6 +420,30 @@ def test_o_append_writes_at_the_end_whatever_the_offset(d: Path):
     assert f.read_bytes() == b"Start:a1;b1;a2;b2;"
 
 
+def test_o_append_writers_racing_lose_no_record(d: Path):
+    f = d / "shared.log"
+    f.touch()
+
+    def append(w: int) -> None:
+        fd = os.open(f, os.O_WRONLY | os.O_APPEND)
+        try:
+            for i in range(200):
+                os.write(fd, f"{w}:{i:04d}:".encode().ljust(100, b"."))
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=append, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    data = f.read_bytes()
+    records = [data[k:k + 100] for k in range(0, len(data), 100)]
+    assert len(data) == 4 * 200 * 100
+    assert sorted(r.split(b":")[0] + b":" + r.split(b":")[1] for r in records) == sorted(
+        f"{w}:{i:04d}".encode() for w in range(4) for i in range(200))
+
+
 def test_o_excl_has_one_winner_among_racing_creators(d: Path):
     winners, losers = [], []
 
