@@ -3,7 +3,8 @@ directory (as fsstress gives each process pN) on one mount with a small L2, keep
 did. Then the tree must equal the union of the models: every name, type, link count, mode, symlink target,
 xattr and byte; the daemon alive, no unexpected error, tiers accounted for, `kvfs fsck` clean.
 
-Rerun one: KVFS_FSSTRESS_SEED=<seed> KVFS_FSSTRESS_OPS=<per process> .venv/bin/python -m pytest -q tests/test_fsstress.py
+Rerun one (OPS per process):
+KVFS_FSSTRESS_SEED=<seed> KVFS_FSSTRESS_OPS=<n> .venv/bin/python -m pytest -q tests/test_fsstress.py
 """
 
 from __future__ import annotations

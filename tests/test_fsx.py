@@ -57,12 +57,14 @@ class Fsx:
             bad = next(k for k in range(min(len(got), len(want)) + 1)
                        if k == min(len(got), len(want)) or got[k] != want[k])
             self.fail(f"{how} of file {i} at {off}+{len(got)}: first wrong byte at {off + bad} "
-                      f"(got {got[bad:bad + 8].hex()}, model {want[bad:bad + 8].hex()}), model size {len(self.model[i])}")
+                      f"(got {got[bad:bad + 8].hex()}, model {want[bad:bad + 8].hex()}), "
+                      f"model size {len(self.model[i])}")
 
-    def extent(self, i: int, at_least_one: bool = True) -> tuple[int, int]:
+    def extent(self, i: int) -> tuple[int, int]:
         size = len(self.model[i])
-        off = self.rng.randrange(0, max(size, 1)) if size and self.rng.random() < 0.8 else self.rng.randrange(0, MAX_LEN)
-        length = self.rng.randrange(1 if at_least_one else 0, MAX_OP)
+        inside = size and self.rng.random() < 0.8  # mostly within the file, sometimes past its end
+        off = self.rng.randrange(0, size) if inside else self.rng.randrange(0, MAX_LEN)
+        length = self.rng.randrange(1, MAX_OP)
         return off, min(length, MAX_LEN - off)
 
     def payload(self, n: int) -> bytes:
