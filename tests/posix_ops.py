@@ -129,6 +129,7 @@ OPS = {
     "stat": _stat,
     "lstat": lambda path, field: _stat(path, field, follow=False),
     "setxattr": lambda path, name, value: os.setxattr(path, name, value.encode()),
+    "getxattr": lambda path, name: os.getxattr(path, name).decode(errors="replace"),
     "opendir": lambda path: (os.listdir(path), None)[1],
 }
 

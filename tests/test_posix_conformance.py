@@ -137,6 +137,10 @@ ERRNO_CASES = {
         (["link", "{d}/f", "{d}/g2"], "EPERM" if PROTECTED_HARDLINKS else "EACCES"),  # not the caller's file
         (["mkfifo", "{d}/g"], "EACCES"), (["stat", "{d}/private/p", "size"], "EACCES"),
         (["opendir", "{d}/private"], "EACCES"), (["utimensat", "{d}/f", "NOW", "NOW"], "EACCES"),
+        (["setxattr", "{d}/f", "user.x", "1"], "EACCES"), (["getxattr", "{d}/secret", "user.x"], "EACCES"),
+        (["getxattr", "{d}/f", "user.kvfs.tier"], "L2"), (["setxattr", "{d}/owned", "user.x", "mine"], "0"),
+        (["getxattr", "{d}/owned", "user.x"], "mine"),
+        (["setxattr", "{d}/../.kvfs", "user.kvfs.fsck", "check"], "EACCES"),  # fsck is the daemon user's
         (["stat", "{d}/f", "size"], 4)]),
     "eperm_nobody": ([["chmod", "{d}/f", 0o666], ["chmod", "{d}", 0o777]], "nobody", [
         (["chmod", "{d}/f", 0o777], "EPERM"), (["chown", "{d}/f", NOBODY, NOBODY], "EPERM"),
