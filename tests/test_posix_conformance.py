@@ -123,6 +123,9 @@ ERRNO_CASES = {
         (["link", "{d}/dir", "{d}/dirlink"], "EPERM"), (["unlink", "{d}/../.kvfs/stats"], "EPERM"),
         (["mkdir", "{d}/../.kvfs/x"], "EPERM"), (["rename", "{d}/../.kvfs", "{d}/k"], "EPERM"),
         (["open", "{d}/../.kvfs/stats", "O_WRONLY"], "EACCES")]),
+    "efbig": ([], "root", [  # format.MAX_FILE_SIZE: 64 GiB
+        (["truncate", "{d}/f", 64 << 30], "0"), (["truncate", "{d}/f", (64 << 30) + 1], "EFBIG"),
+        (["stat", "{d}/f", "size"], 64 << 30), (["truncate", "{d}/f", 0], "0")]),
     "enxio_fifo": ([["mkfifo", "{d}/fifo"]], "root", [
         (["open", "{d}/fifo", "O_WRONLY|O_NONBLOCK"], "ENXIO"), (["open", "{d}/fifo", "O_RDONLY|O_NONBLOCK"], "0")]),
     # permission checks: the kernel's, from the modes and owners kvfs reports (default_permissions)
