@@ -159,18 +159,19 @@ class Claim(abc.ABC):
         (a store that does not answer) is left behind after an interval; the lapse is checked regardless."""
         while not self.lost:
             await trio.sleep(self.interval_s)
-            self.check_lapse()
             try:
                 with trio.move_on_after(self.interval_s):
                     await trio.to_thread.run_sync(self.renew, abandon_on_cancel=True)
             except Exception:  # a background task must not end the daemon; the next interval tries again
                 log.exception("renewing the claim on L4 %s failed", self.tier.describe())
+            self.check_lapse()
 
     def _lose(self, holder: str) -> None:
         self.lost = True
         self.tier.fenced = f"taken over by {holder}"
-        log.error("L4 %s was taken over by %s: this mount no longer writes or deletes there (its files in L4 are "
-                  "now misses); remount with another prefix", self.tier.describe(), holder)
+        self.tier.disowned = True  # its ids may name the new owner's objects now: never read them as ours
+        log.error("L4 %s was taken over by %s: this mount no longer reads, writes or deletes there (its files in "
+                  "L4 are misses now); remount with another prefix", self.tier.describe(), holder)
 
 
 class S3Claim(Claim):
@@ -206,6 +207,10 @@ class S3Claim(Claim):
                 log.warning("L4 %s: took over the claim of %s (%s); the objects its index named are deleted by "
                             "this mount's reconcile", self.s3.location.url,
                             holder.describe() if holder else "an unreadable owner record", why)
+            if why == "force" and now < expires:
+                _let_the_holder_notice(holder)
+                sent = time.monotonic()
+                self.etag = self._put(IfMatch=self.etag)  # the lease from now, not from before the wait
             break
         else:
             raise ClaimRefused(f"kvfs: L4 {self.s3.location.url}: the owner record kept changing; try again")
@@ -374,6 +379,7 @@ class DirectoryClaim(Claim):
                 os.close(fd)
                 decide(str(self.tier.describe()), holder, self.me, takeover, None, time.time())
                 self._replace()
+                _let_the_holder_notice(holder)
                 log.warning("L4 %s: took over the lock of %s (--force); the objects its index named are deleted "
                             "by this mount's reconcile", self.tier.describe(),
                             holder.describe() if holder else "an unreadable owner record")
@@ -449,6 +455,14 @@ def claim_l4(tiers: list[Tier], state_dir: Path, lease_s: float, takeover: str |
     log.info("L4 %s claimed by mount %s (lease %g s, renewed every %g s)", tier.describe(), me.mount_id, lease_s,
              interval)
     return claim
+
+
+def _let_the_holder_notice(holder: OwnerInfo | None) -> None:
+    """A live owner was forced out: wait for its next check (a quarter of its lease, and a second), so it has
+    stopped using the tier before this mount writes there under ids that its index names too."""
+    wait = (holder.lease_s if holder is not None else DEFAULT_LEASE_S) / 4 + 1
+    log.info("waiting %.0f s for the previous owner's next check of its claim", wait)
+    time.sleep(wait)
 
 
 def _read_fd(fd: int) -> bytes:

@@ -126,16 +126,29 @@ def test_force_takes_over_at_once_and_the_old_owner_stops_writing(make_mount, ce
     B's files in L4 stay intact and read back."""
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     lease = short_lease(tmp_path)
-    a = start_with_l4(make_mount("a"), ceph, prefix, "--config", lease)
-    fill(a, 30)
-    b = start_with_l4(make_mount("b"), ceph, prefix, "--config", lease, "--force")
+    same_size = ("--config", lease, "--codec", "none")  # equal-sized objects: a collision passes every check
+    a = start_with_l4(make_mount("a"), ceph, prefix, *same_size)
+    theirs = fill(a, 30)
+    a_in_l4 = [name for name in theirs if tier_of(a.path(name)) == "L4"]
+    a_objects = l4_objects(ceph, prefix)
+    started = time.monotonic()
+    b = start_with_l4(make_mount("b"), ceph, prefix, *same_size, "--force")
+    assert time.monotonic() - started >= 4 / 4 + 1  # it gave A one check of its claim first
     assert "took over the claim of kvfs mount" in b.log_text() and "(force)" in b.log_text()
     a.expect_log("was taken over by kvfs mount")
     wait_for_log(a, "was taken over by")
     assert a.stats()["tiers"]["L4"]["fenced"].startswith("taken over by kvfs mount")
-    ours = fill(b, 40, n=8)
+    ours = fill(b, 60)  # the same inode numbers as A's files: the same object ids, other bytes
     b_objects = l4_objects(ceph, prefix)
     assert b_objects and any(tier_of(b.path(name)) == "L4" for name in ours)
+    assert set(a_objects) & set(b_objects)  # A's rows name keys that now hold B's objects
+    a.expect_log(r"object \d+-\d+ vanished from L4; file dropped")
+    for name in a_in_l4:  # a miss (an error), never B's bytes
+        try:
+            data = a.path(name).read_bytes()
+        except OSError:
+            continue
+        assert data == theirs[name], name
 
     puts = a.stats()["tiers"]["L4"]["requests"]["put"]
     for i in range(8):  # past A's small L2 and L3: demotion to L4 would follow, eviction does instead

@@ -44,6 +44,9 @@ class Tier(abc.ABC):
     # Why this process must not write or delete here (a private L4 not claimed, or taken over by another
     # mount: kvfs/owner.py), or None. Reads go on: objects are verified by their checksums.
     fenced: str | None = None
+    # Taken over by another mount: objects here may now be another index's under the same ids, whose
+    # checksums hold. Not even read then: every object is a miss (FileNotFoundError).
+    disowned = False
 
     def admit(self) -> None:
         """Raise (OSError EIO) at once when the tier is known to be down; local tiers never are."""
@@ -51,6 +54,12 @@ class Tier(abc.ABC):
     def available(self) -> bool:
         """False while the tier is known to be down or is fenced (moves to it pause)."""
         return self.fenced is None
+
+    def check_readable(self, object_id: str) -> None:
+        """Raise FileNotFoundError when the tier is disowned: its objects are not this mount's any more."""
+        if self.disowned:
+            raise FileNotFoundError(errno.ENOENT, f"{self.name} {self.describe()}: {self.fenced}: {object_id} "
+                                                  "is a miss")
 
     def check_writable(self) -> None:
         """Raise OSError EROFS when the tier is fenced: no write or deletion may reach it."""

@@ -57,16 +57,19 @@ class DirectoryTier(Tier):
         return size
 
     def read(self, object_id: str, offset: int, length: int) -> bytes:
+        self.check_readable(object_id)
         fd = os.open(self._path(object_id), os.O_RDONLY | os.O_CLOEXEC)
         try:
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)
 
-    def local_path(self, object_id: str) -> str:
-        return str(self._path(object_id))
+    def local_path(self, object_id: str) -> str | None:
+        return None if self.disowned else str(self._path(object_id))
 
     def size_of(self, object_id: str) -> int | None:
+        if self.disowned:
+            return None  # not this mount's any more: absent, as far as it is concerned
         try:
             return self._path(object_id).stat().st_size
         except FileNotFoundError:

@@ -230,6 +230,7 @@ class S3Tier(Tier):
         return size
 
     def read(self, object_id: str, offset: int, length: int) -> bytes:
+        self.check_readable(object_id)
         if length <= 0:
             return b""
         try:
@@ -245,6 +246,7 @@ class S3Tier(Tier):
     def chunks(self, object_id: str, size: int) -> Iterator[bytes]:
         """The whole object (a promotion's copy): one GET up to COPY_WHOLE_MAX, else ranged GETs of that size
         (the object is immutable: its pieces cannot come from different versions)."""
+        self.check_readable(object_id)
         if size > COPY_WHOLE_MAX:
             yield from chunks_by_reads(self, object_id, size, COPY_WHOLE_MAX)
             return
@@ -257,6 +259,8 @@ class S3Tier(Tier):
             yield whole
 
     def size_of(self, object_id: str) -> int | None:
+        if self.disowned:
+            return None  # not this mount's any more: absent, as far as it is concerned
         try:
             answer = self._call("head", self.client.head_object, Bucket=self.location.bucket,
                                 Key=self._key(object_id))
