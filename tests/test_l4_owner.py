@@ -82,6 +82,19 @@ def test_second_mount_is_refused_and_the_owner_keeps_every_file(make_mount, ceph
     assert owner_record(ceph, prefix)["mount_id"] == rec["mount_id"]
 
 
+def test_a_private_mount_refuses_a_shared_prefix(make_mount, ceph):
+    """A prefix that holds published files (a shared namespace) is refused to a private mount, --force
+    included: its reconcile would count every other node's objects as orphans. Nothing there is touched."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    s3_client(ceph).put_object(Bucket="kvfs-test", Key=f"{prefix}/files/published.kv", Body=b"someone's")
+    m = make_mount()
+    for flags in ((), ("--force",)):
+        line = refused(m, lambda: start_with_l4(m, ceph, prefix, *flags))
+        assert f"L4 s3://kvfs-test/{prefix} is a shared prefix (it holds files/): mount it with --l4-shared" in line
+    assert owner_record(ceph, prefix) is None
+    assert l4_keys(ceph, prefix) == {f"{prefix}/files/published.kv": len(b"someone's")}
+
+
 def test_clean_unmount_releases_and_a_restart_takes_its_own_claim(make_mount, ceph):
     """kill -9 leaves the claim, but the same state directory takes it back at once; a clean unmount deletes
     the owner object, after which another mount starts with no flag."""
