@@ -626,6 +626,8 @@ class Operations(pyfuse3.Operations):
         if fh == ROOT_INODE and start_id < 1:
             if not pyfuse3.readdir_reply(token, KVFS_DIR_NAME, self._virtual_attrs(KVFS_DIR_INODE), 1):
                 return
+        if start_id == 0:
+            self.index.note_access(fh)  # readdir marks the directory's atime (batched like a file read's)
         if start_id == 0 and self.shared is not None:
             await self.shared.merge_dir(fh)  # names other mounts published here
         after = max(start_id - 1, 0)

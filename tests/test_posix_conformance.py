@@ -308,6 +308,7 @@ TIME_CASES = {
     "setxattr": (lambda d: _set_xattr(d / "f"), {("f", "ctime")}),
     "removexattr": (lambda d: _remove_xattr(d / "f"), {("f", "ctime")}),
     "read": (lambda d: _uncached_read(d / "f"), {("f", "atime")}),
+    "readdir": (lambda d: os.listdir(d / "sub"), {("sub", "atime")}),
     "utime_now_now": (lambda d: _utimens("NOW", "NOW")(d / "f"), {("f", "atime"), ("f", "mtime"), ("f", "ctime")}),
     "utime_omit_now": (lambda d: _utimens("OMIT", "NOW")(d / "f"), {("f", "mtime"), ("f", "ctime")}),
     "utime_now_omit": (lambda d: _utimens("NOW", "OMIT")(d / "f"), {("f", "atime"), ("f", "ctime")}),
