@@ -160,7 +160,7 @@ class HotCold:
             raise RequestError(errno.ENOSPC, f"the object ({row['stored_bytes'] >> 20} MiB) is larger than "
                                f"{dest_name} ({dest.capacity >> 20} MiB)")
         if not down:
-            self.index.note_access(ino)  # brought up to be used: not the first file a drain picks
+            self.index.note_use(ino)  # brought up to be used: not the first file a drain picks
         if await self.mover.move(ino, dest, wait=True):
             self.counters.requested_moves += 1
             return True

@@ -158,7 +158,8 @@ class Index:
         self.db.execute("PRAGMA temp_store=MEMORY")
         self.db.executescript(TIER_TOTALS)
         self._sync_lock = threading.Lock()
-        self._pending_access: dict[int, int] = {}
+        self._pending_access: dict[int, int] = {}  # reads: atime and the LRU's last access
+        self._pending_use: dict[int, int] = {}  # prefetches and promotions: the LRU's last access only
         self._ensure_root()
 
     def _migrate(self) -> None:
@@ -466,7 +467,12 @@ class Index:
 
     # -- batched access times, durability --------------------------------------------------------
     def note_access(self, ino: int) -> None:
+        """A read (of a file, or readdir): its atime and its place in the LRU."""
         self._pending_access[ino] = time.time_ns()
+
+    def note_use(self, ino: int) -> None:
+        """About to be used (prefetched, promoted): recent for the LRU, but not read, so its atime stays."""
+        self._pending_use[ino] = time.time_ns()
 
     def pending_access(self, ino: int) -> int | None:
         """A read's access time not yet written (getattr shows it: atime moves with the read, not the flush)."""
@@ -474,11 +480,14 @@ class Index:
 
     def flush_access(self) -> int:
         pending, self._pending_access = self._pending_access, {}
-        if pending:
+        used, self._pending_use = self._pending_use, {}
+        if pending or used:
             with self.transaction():
-                self.db.executemany("UPDATE inodes SET last_access_ns = ?, atime_ns = ? WHERE id = ?",
-                                    [(t, t, ino) for ino, t in pending.items()])
-        return len(pending)
+                self.db.executemany("UPDATE inodes SET last_access_ns = MAX(last_access_ns, ?) WHERE id = ?",
+                                    [(t, ino) for ino, t in used.items()])
+                self.db.executemany("UPDATE inodes SET last_access_ns = MAX(last_access_ns, ?), atime_ns = ? "
+                                    "WHERE id = ?", [(t, t, ino) for ino, t in pending.items()])
+        return len(pending) + len(used)
 
     def sync(self) -> None:
         """Make every committed transaction durable (blocking: call from a worker thread)."""

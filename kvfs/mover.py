@@ -545,7 +545,7 @@ class Mover:
         row = self.index.get(ino)
         if row is None or not row["obj_gen"] or row["obj_tier"] == self.order[0].name:
             return False
-        self.index.note_access(ino)  # about to be used: not the first file a drain of L2 picks
+        self.index.note_use(ino)  # about to be used: not the first file a drain of L2 picks
         self._queue_promotion(ino)
         return True
 

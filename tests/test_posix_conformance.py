@@ -388,6 +388,24 @@ def test_times_set_while_writes_are_unsaved(d: Path):
     assert f.read_bytes() == b"unsaved"
 
 
+def test_moves_between_tiers_are_not_accesses(d: Path):
+    """Demoting, promoting and prefetching a file moves it but reads nothing: its times stay."""
+    from posix_ops import statx_times
+
+    f = d / "f"
+    f.write_bytes(os.urandom(100_000))
+    before = statx_times(str(f))
+    time.sleep(TIME_STEP)
+    for request, value, tier in (("user.kvfs.tier", b"L3", b"L3"), ("user.kvfs.tier", b"L2", b"L2"),
+                                 ("user.kvfs.tier", b"L3", b"L3"), ("user.kvfs.prefetch", b"1", b"L2")):
+        os.setxattr(f, request, value)
+        deadline = time.monotonic() + 10
+        while os.getxattr(f, "user.kvfs.tier") != tier and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.getxattr(f, "user.kvfs.tier") == tier, (request, value)
+    assert statx_times(str(f)) == before
+
+
 def test_utimensat_values(d: Path):
     from posix_ops import statx_times
 
