@@ -232,8 +232,16 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.ENOENT)
         return self._entry(ino)
 
-    @_guard
     async def forget(self, inode_list):
+        """The kernel gets no reply to a forget: an error (logged by _guard) must not escape into pyfuse3's
+        session loop, where it would end the mount."""
+        try:
+            await self._forget(inode_list)
+        except pyfuse3.FUSEError:
+            pass
+
+    @_guard
+    async def _forget(self, inode_list):
         for ino, count in inode_list:
             left = self.lookups.get(ino, 0) - count
             if left > 0:
@@ -258,7 +266,11 @@ class Operations(pyfuse3.Operations):
         if ref is not None and ref.key is not None:
             self.store.release(ref.tier, ref.stored_bytes)
         elif ref is not None:
-            await self.store.delete(ref)
+            try:
+                await self.store.delete(ref)
+            except OSError as e:  # the file is gone already; its object is an orphan until the next start
+                log.warning("deleting the object of a removed file from %s failed: %s (reconcile removes it at "
+                            "the next start)", ref.tier, e)
 
     @_guard
     async def getattr(self, inode, ctx=None):
