@@ -178,7 +178,7 @@ def _explain(path: str, name: str, args: tuple, e: OSError) -> str:
         return f"{path}: {value} has no room for it (or its pin limit would be passed)"
     if name == XA_TIER and e.errno == errno.EEXIST:
         return f"{path}: another node published this name in the shared L4 first"
-    if e.errno == errno.EAGAIN:
+    if e.errno in (errno.EHOSTDOWN, errno.EAGAIN):
         return f"{path}: the tier is not answering now; try again later"
     if name == XA_IDLE and e.errno == errno.EINVAL:
         return f"{path}: not an idle period: {value!r} (use seconds, 30m, 2h, off or default)"

@@ -155,7 +155,8 @@ class HotCold:
                 raise RequestError(errno.EBUSY, "the file is pinned: unpin it first")
             return False
         if not dest.available():
-            raise RequestError(errno.EAGAIN, f"{dest_name} is not answering now")
+            # not EAGAIN: the kernel turns a setxattr's EAGAIN into EOPNOTSUPP ("no xattrs here")
+            raise RequestError(errno.EHOSTDOWN, f"{dest_name} is not answering now")
         if row["stored_bytes"] > dest.capacity:
             raise RequestError(errno.ENOSPC, f"the object ({row['stored_bytes'] >> 20} MiB) is larger than "
                                f"{dest_name} ({dest.capacity >> 20} MiB)")
