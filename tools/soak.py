@@ -50,15 +50,19 @@ from kvfs import client  # noqa: E402
 from kvfs.config import parse_duration  # noqa: E402
 from kvfs.daemon import WAL_LIMIT_BYTES  # noqa: E402
 
-# Bounds of the verdict. RSS: after the warm-up the heap has reached the high-water mark of frames in flight
-# (the daemon keeps freed frame buffers, mallopt trim threshold 256 MiB), so a healthy daemon is flat; 2 MiB/min
-# (120 MiB/h) lies above the sampling noise of a few-minute run and far below a leak of anything per file
-# (hundreds of files a minute: 2 MiB/min is < 10 KiB per file written). fds: the steady set (FUSE, index,
+# Bounds of the verdict. RSS: after the warm-up the heap should have reached the high-water mark of frames in
+# flight (the daemon keeps freed frame buffers, mallopt trim threshold 256 MiB), so a healthy daemon is flat;
+# 2 MiB/min (120 MiB/h) lies above the sampling noise and far below a leak of anything per file (hundreds of
+# files a minute: 2 MiB/min is < 10 KiB per file written). Measured (README, Soak): the daemon's malloc arenas
+# still grow 4-9 MiB/min in the first 15 minutes while its Python heap is flat; short runs (CI) pass a looser
+# bound with --rss-slope, which still catches a leak of file-sized buffers. fds: the steady set (FUSE, index,
 # WAL, lock, pooled S3 connections, open objects) does not grow with files; 1 fd/min is 60 leaked fds an
 # hour, a leak per file (hundreds a minute) or per outage shows far above it. WAL: the daemon checkpoints it
 # every 30 s and resets it once past WAL_LIMIT_BYTES (64 MiB), so it can pass that only by one tick's commits.
 RSS_SLOPE_MIB_PER_MIN = 2.0
 FDS_SLOPE_PER_MIN = 1.0
+S3_POOL_FDS = 16  # kvfs's S3 client pools up to 16 connections, opened as concurrency rises: a short run's
+# slope may carry them (bound: at least this many fds over the fitted span), a leak keeps climbing past them
 WAL_MAX_BYTES = WAL_LIMIT_BYTES + (16 << 20)
 WARMUP_FRACTION, WARMUP_MAX_S = 0.2, 120.0
 RECOVERY_S = 120.0  # RGW restarted: how long until a read of an L4 file must succeed again
@@ -96,6 +100,7 @@ class Options:
     hotcold_every_s: float = 0.5
     seed: int = 1
     data: Path = REPO / "tests" / "data" / "kv"
+    rss_slope_mib_per_min: float = RSS_SLOPE_MIB_PER_MIN
 
 
 @dataclasses.dataclass
@@ -354,10 +359,13 @@ class Soak:
             self.outages.begin()
             self.store.stop_rgw()
             self.tally.add("rgw_stops")
-            if in_l4:  # a read of an L4 file must fail, and cleanly
-                self.read_and_verify(in_l4[0], "outage_probe")
-            self.stop.wait(o.rgw_down_s)
-            self.store.start_rgw()
+            try:
+                probe = next((e for e in in_l4 if self.catalog.state(e.name) == "live"), None)
+                if probe is not None:  # a read of an L4 file must fail, and cleanly
+                    self.read_and_verify(probe, "outage_probe")
+                self.stop.wait(o.rgw_down_s)
+            finally:
+                self.store.start_rgw()
             self.tally.add("rgw_starts")
             self.recover(in_l4)
 
@@ -401,6 +409,8 @@ class Soak:
         self.samples.append({
             "t_s": round(time.monotonic() - self.started, 2),
             "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024,
+            **{f"{key.lower()}_bytes": int(fields[key].split()[0]) * 1024  # heap, mapped files, shared memory
+               for key in ("RssAnon", "RssFile", "RssShmem") if key in fields},
             "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
             "threads": int(fields["Threads"]),
             "wal_bytes": self.wal.stat().st_size if self.wal.exists() else 0,
@@ -416,11 +426,11 @@ class Soak:
 
     # -- the run --------------------------------------------------------------------------------------------
     def run(self) -> None:
-        workers = [threading.Thread(target=self.writer, args=(i,), name=f"writer-{i}") for i in range(self.opts.writers)]
-        workers += [threading.Thread(target=self.reader, args=(i,), name=f"reader-{i}") for i in range(self.opts.readers)]
-        workers += [threading.Thread(target=fn, name=fn.__name__) for fn in (self.hotcold, self.rgw_cycle, self.sampler)]
+        targets = [(self.writer, (i,)) for i in range(self.opts.writers)]
+        targets += [(self.reader, (i,)) for i in range(self.opts.readers)]
+        targets += [(fn, ()) for fn in (self.hotcold, self.rgw_cycle, self.sampler)]
+        workers = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in targets]
         for w in workers:
-            w.daemon = True
             w.start()
         self.stop.wait(self.opts.duration_s)
         self.stop.set()
@@ -451,6 +461,9 @@ def verdict(soak: Soak, stats: dict, exit_code: int | None, alive: bool, log_pro
     evicted = sum(t["evicted_files"] for t in stats["tiers"].values())
     rss_slope = slope_per_min(soak.samples, "rss_bytes", warmup) / (1 << 20)
     fds_slope = slope_per_min(soak.samples, "fds", warmup)
+    fitted_min = (soak.samples[-1]["t_s"] - warmup) / 60
+    fds_bound = round(max(FDS_SLOPE_PER_MIN, S3_POOL_FDS / fitted_min), 2)
+    rss_bound = soak.opts.rss_slope_mib_per_min
     wal_max = max(s["wal_bytes"] for s in soak.samples)
     checks = [
         ("wrong reads", counts["wrong_reads"], "= 0", counts["wrong_reads"] == 0),
@@ -462,10 +475,8 @@ def verdict(soak: Soak, stats: dict, exit_code: int | None, alive: bool, log_pro
         ("store back after restart", counts["store_not_back"], "= 0", counts["store_not_back"] == 0),
         ("daemon errors + checksum failures", stats["errors"] + stats["checksum_failures"], "= 0",
          stats["errors"] + stats["checksum_failures"] == 0),
-        ("RSS slope after warm-up (MiB/min)", round(rss_slope, 3), f"< {RSS_SLOPE_MIB_PER_MIN}",
-         rss_slope < RSS_SLOPE_MIB_PER_MIN),
-        ("fds slope after warm-up (/min)", round(fds_slope, 3), f"< {FDS_SLOPE_PER_MIN}",
-         fds_slope < FDS_SLOPE_PER_MIN),
+        ("RSS slope after warm-up (MiB/min)", round(rss_slope, 3), f"< {rss_bound}", rss_slope < rss_bound),
+        ("fds slope after warm-up (/min)", round(fds_slope, 3), f"< {fds_bound}", fds_slope < fds_bound),
         ("WAL max (MiB)", round(wal_max / (1 << 20), 2), f"< {WAL_MAX_BYTES >> 20}", wal_max < WAL_MAX_BYTES),
         ("daemon alive at the end", alive, "= True", alive),
         ("clean unmount (exit status)", exit_code, "= 0", exit_code == 0),
@@ -513,6 +524,9 @@ class Mount:
         return self.proc is not None and self.proc.poll() is None and os.path.ismount(self.mountpoint)
 
     def unmount(self) -> int | None:
+        if self.proc is not None and self.proc.poll() is not None:  # died: the kernel still holds the mount
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+            return self.proc.returncode
         if os.path.ismount(self.mountpoint):
             subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
         try:
@@ -540,7 +554,8 @@ def run_soak(opts: Options, store: Store, workdir: Path) -> dict:
                 soak.final_check()
                 soak.sample()
             stats = soak.last_stats
-            for entry in soak.catalog.live() if alive else []:  # leave the bucket as found: unlinking deletes the L4 objects
+            # leave the bucket as found: unlinking deletes the L4 objects
+            for entry in soak.catalog.live() if alive else []:
                 soak.catalog.mark(entry.name, "deleted")
                 try:
                     os.unlink(mount.mountpoint / entry.name)
@@ -641,10 +656,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-rate", type=float, default=Options.write_rate, help="new files per second")
     ap.add_argument("--max-files", type=int, default=Options.max_files, help="live files kept (oldest unlinked)")
     ap.add_argument("--seed", type=int, default=Options.seed)
+    ap.add_argument("--rss-slope", type=float, default=RSS_SLOPE_MIB_PER_MIN,
+                    help=f"bound of RSS growth after the warm-up, MiB/min (default {RSS_SLOPE_MIB_PER_MIN})")
     args = ap.parse_args(argv)
     opts = Options(duration_s=parse_duration(args.duration), out=args.out, interval_s=args.interval,
                    rgw_every_s=args.rgw_every, rgw_down_s=args.rgw_down, write_rate=args.write_rate,
-                   max_files=args.max_files, seed=args.seed)
+                   max_files=args.max_files, seed=args.seed, rss_slope_mib_per_min=args.rss_slope)
     with tempfile.TemporaryDirectory(prefix="kvfs-soak-") as tmp:
         work = Path(tmp)
         cluster = existing_cluster(args.ceph) if args.ceph else None
