@@ -457,3 +457,37 @@ def test_version_2_payloads_still_decode():
     out = bytearray(len(data))
     entropy.decode_into(payload, out)
     assert bytes(out) == data
+
+
+def test_threads_that_exit_leave_no_scratch_behind(tmp_path):
+    """The kernel's per-thread scratch buffers (~1 MiB each) are freed when their thread exits: trio's worker
+    threads and the connector's readers come and go, and each used to leak its buffers (the soak's RSS)."""
+    script = tmp_path / "threads.py"
+    script.write_text(f"""
+import threading, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from kvfs.codecs import entropy
+from kvfs.codecs.transforms import BYTEPLANE2
+from kvfs import codecs, direct, format as fmt
+data = open({str(kv_samples("bf16")[0])!r}, "rb").read()[:1 << 20]
+frame = [fmt.encode_frame(data, entropy.EntropyCodec(64), 0), fmt.encode_frame(data, codecs.by_name("zstd"), BYTEPLANE2)]
+parts, _ = fmt.build_object(fmt.Header(raw_size=2 * len(data), frame_size=len(data), n_frames=2, element_size=2), frame)
+obj = {str(tmp_path / "object")!r}
+open(obj, "wb").write(b"".join(parts))
+loc = direct.Location("L2", sum(map(len, parts)), 2 * len(data), obj)
+def rss_mib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+def work():
+    entropy.encode(data, 64)
+    assert direct.read_object(loc) == data * 2  # entropy, then zstd on byte planes: the reader's buffers too
+for i in range(220):
+    if i == 20:
+        start = rss_mib()
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+print(rss_mib() - start)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 40, f"RSS grew {out.stdout.strip()} MiB over 200 threads (leaked ~1 MiB per thread?)"

@@ -25,6 +25,7 @@
 
 #include "_classes.h"
 #include "_planes.h"
+#include "_scratch.h"
 
 #define VERSION_R 1      /* r stored raw */
 #define VERSION_SIGNS 2  /* signs coded, low bits packed (stride 1 only) */
@@ -44,21 +45,11 @@ typedef uint32_t u32_unaligned __attribute__((aligned(1), may_alias));
 enum { KVEC_ERR_CAPACITY = -1, KVEC_ERR_FORMAT = -2, KVEC_ERR_STREAM = -3, KVEC_ERR_ARGS = -4,
        KVEC_ERR_NOMEM = -5 };
 
-/* ---- per-thread scratch: frames are ~1 MiB, so keep the buffers instead of faulting in fresh ones ---- */
+/* ---- per-thread scratch (_scratch.h: reused, freed when the thread exits) ---- */
 
-typedef struct { uint8_t *buf; size_t cap; } scratch_t;
 static __thread scratch_t planes_scratch, tables_scratch;
 
-static uint8_t *grow(scratch_t *sc, size_t n) {
-    if (n > sc->cap) {
-        free(sc->buf);
-        sc->buf = malloc(n);
-        sc->cap = sc->buf ? n : 0;
-    }
-    return sc->buf;
-}
-
-uint8_t *kvec_scratch(size_t n) { return grow(&planes_scratch, n); }
+uint8_t *kvec_scratch(size_t n) { return scratch_reserve(&planes_scratch, n); }
 static uint8_t *scratch(size_t n) { return kvec_scratch(n); }
 
 static inline uint64_t load_be64(const uint8_t *p) {
@@ -307,7 +298,7 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
                               const uint8_t *clamp, const params_t *p, uint8_t *dst, size_t cap, uint8_t *out) {
     /* count per (context, symbol), in four tables for the same reason as the e sample */
     const size_t cnt_bytes = 4 * sizeof(uint32_t[MAX_CTX][256]);
-    uint8_t *tables = grow(&tables_scratch, cnt_bytes + sizeof(uint32_t[MAX_CTX][256]));
+    uint8_t *tables = scratch_reserve(&tables_scratch, cnt_bytes + sizeof(uint32_t[MAX_CTX][256]));
     if (!tables) return KVEC_ERR_NOMEM;
     uint32_t (*cnt)[MAX_CTX][256] = (uint32_t (*)[MAX_CTX][256])tables;
     uint32_t (*code)[256] = (uint32_t (*)[256])(tables + cnt_bytes);  /* code << 4 | length */

@@ -12,6 +12,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "_scratch.h"
+
 int kvec_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes);
 unsigned long long kvfs_xxh3_64(const void *data, size_t len);
 
@@ -48,17 +50,7 @@ typedef size_t (*zstd_decompress_fn)(void *dst, size_t cap, const void *src, siz
 static zstd_decompress_fn zstd_decompress;
 void kvfs_use_zstd(void *fn) { zstd_decompress = (zstd_decompress_fn)fn; }
 
-typedef struct { uint8_t *buf; size_t cap; } buffer_t;
-static __thread buffer_t payload_buf, planes_buf;  /* reused: fresh MiB buffers cost a fault per page */
-
-static uint8_t *reserve(buffer_t *b, size_t n) {
-    if (n > b->cap) {
-        free(b->buf);
-        b->buf = malloc(n ? n : 1);
-        b->cap = b->buf ? n : 0;
-    }
-    return b->buf;
-}
+static __thread scratch_t payload_buf, planes_buf;  /* _scratch.h: reused, freed when the thread exits */
 
 static int read_at(int fd, uint8_t *dst, size_t len, uint64_t offset) {
     while (len) {
@@ -102,7 +94,7 @@ static int decode_payload(const entry_t *e, const uint8_t *payload, uint8_t *dst
     /* zstd: an error code (a huge size_t) never equals a frame's length */
     if (e->transform == TRANSFORM_IDENTITY)
         return zstd_decompress(dst, e->raw_len, payload, e->stored_len) == e->raw_len ? 0 : KVF_ERR_DECODE;
-    uint8_t *planes = reserve(&planes_buf, e->raw_len);
+    uint8_t *planes = scratch_reserve(&planes_buf, e->raw_len);
     if (!planes)
         return KVF_ERR_NOMEM;
     if (zstd_decompress(planes, e->raw_len, payload, e->stored_len) != e->raw_len)
@@ -125,7 +117,7 @@ static int frame(int fd, const entry_t *e, uint8_t *dst) {
         uint64_t h = kvfs_xxh3_64(dst, e->raw_len);
         return h == e->stored_xxh3 && h == e->raw_xxh3 ? 0 : KVF_ERR_PAYLOAD;
     }
-    uint8_t *payload = reserve(&payload_buf, e->stored_len);
+    uint8_t *payload = scratch_reserve(&payload_buf, e->stored_len);
     if (!payload)
         return KVF_ERR_NOMEM;
     int rc = read_at(fd, payload, e->stored_len, e->offset);
