@@ -142,12 +142,29 @@ def umount(mountpoint, lazy, timeout):
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if _exited(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _exited(pid: int) -> bool:
+    """True once the process has exited, even if its parent has not reaped it yet: a zombie has flushed and
+    released everything, and only its parent (not us) can make it disappear, so kill(pid, 0) alone would wait
+    for a parent that may never call wait()."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):  # gone (and reaped), or vanishing while we read
+        return True
+    except OSError:  # no procfs: fall back to the signal probe, which sees zombies as alive
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.05)
-    return False
+        return False
+    # the state is the first field after the command name, which is in parentheses and may contain anything
+    state = stat.rpartition(")")[2].split()[0]
+    return state in ("Z", "X")
 
 
 @main.command()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,21 @@ def test_second_daemon_on_same_state_is_refused(make_mount):
                check=False)
     assert res.returncode != 0 and "in use by another kvfs daemon" in res.stderr
     assert m.alive()
+
+
+def _proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def test_umount_treats_an_unreaped_daemon_as_stopped(make_mount):
+    """A foreground daemon whose parent has not waited for it yet is a zombie once it exits: umount must
+    report success then, not wait out its timeout for a process only the parent can remove."""
+    m = make_mount().start()
+    assert m.proc is not None
+    started = time.monotonic()
+    _run("umount", str(m.mountpoint))  # check=True: a "still running" failure raises here
+    elapsed = time.monotonic() - started
+    assert not os.path.ismount(m.mountpoint)
+    assert _proc_state(m.proc.pid) == "Z"  # the case under test: exited, not yet waited for
+    assert elapsed < 20, f"umount took {elapsed:.1f}s"
+    assert m.stop() == 0  # waits the Popen
