@@ -96,3 +96,14 @@ def test_umount_treats_an_unreaped_daemon_as_stopped(make_mount):
     assert _proc_state(m.proc.pid) == "Z"  # the case under test: exited, not yet waited for
     assert elapsed < 20, f"umount took {elapsed:.1f}s"
     assert m.stop() == 0  # waits the Popen
+
+
+def test_stat_piped_prints_whole_cells(make_mount, tmp_path):
+    """Off a terminal rich assumed 80 columns and cut the table's cells with "…"; piped, every cell is whole."""
+    l2 = tmp_path / ("l2-with-a-long-directory-name-" + "x" * 60)
+    m = make_mount().start("--l2", f"{l2}:64M")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    out = _run("stat", str(m.mountpoint), env=env).stdout
+    assert str(l2) in out and str(m.state / "l3") in out
+    assert "…" not in out
+    assert "compression_ratio" in out and "promoted" in out
