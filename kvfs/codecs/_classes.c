@@ -28,6 +28,7 @@
 
 #include "_classes.h"
 #include "_planes.h"
+#include "_scratch.h"
 
 #define V3_HEADER 16
 #define BLOCK 64                  /* elements per class block */

@@ -10,7 +10,5 @@
 
 int64_t kv3_encode(const uint8_t *src, size_t n_bytes, uint8_t *dst, size_t cap);
 int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes);
-int64_t kvec_encode_version(const uint8_t *src, size_t n_bytes, int stride, int window_log, uint8_t *dst,
-                            size_t cap, int version);
 
 #endif

@@ -47,9 +47,8 @@ enum { KVEC_ERR_CAPACITY = -1, KVEC_ERR_FORMAT = -2, KVEC_ERR_STREAM = -3, KVEC_
 
 /* ---- per-thread scratch (_scratch.h: reused, freed when the thread exits) ---- */
 
-static __thread scratch_t planes_scratch, tables_scratch;
+static __thread scratch_t tables_scratch;  /* the planes buffer is kvec_scratch, shared with version 3 */
 
-uint8_t *kvec_scratch(size_t n) { return scratch_reserve(&planes_scratch, n); }
 static uint8_t *scratch(size_t n) { return kvec_scratch(n); }
 
 static inline uint64_t load_be64(const uint8_t *p) {
@@ -405,6 +404,9 @@ static int64_t encode_streams(const uint8_t *restrict e, const uint8_t *restrict
     memset(out, 0, PAD);
     return (int64_t)(out + PAD - dst);
 }
+
+int64_t kvec_encode_version(const uint8_t *src, size_t n_bytes, int stride, int window_log, uint8_t *dst,
+                            size_t cap, int version);
 
 /* Encode n_bytes of src into dst (capacity cap). Returns the payload size, or a negative code
  * (KVEC_ERR_CAPACITY when the result would not fit: the caller stores the frame raw). */

@@ -1,8 +1,8 @@
-/* What codec 4's versions share (_entropy.c: versions 1-2, _classes.c: version 3): little-endian u32s,
- * the per-thread scratch buffer, and the split and join of 16 elements in the 7-low-bit layout (e byte,
- * sign bit, 7 low bits packed 16 elements to 14 bytes: bytes 0..13 hold elements 0..13 in their low 7 bits,
- * their top bits hold elements 14 and 15 as the 14-bit number low14 | low15 << 7). Build with
- * -DKVEC_NO_SIMD for the portable path; both paths give the same bytes. */
+/* What codec 4's versions share (_entropy.c: versions 1-2, _classes.c: version 3): little-endian u32s and
+ * the split and join of 16 elements in the 7-low-bit layout (e byte, sign bit, 7 low bits packed 16 elements
+ * to 14 bytes: bytes 0..13 hold elements 0..13 in their low 7 bits, their top bits hold elements 14 and 15 as
+ * the 14-bit number low14 | low15 << 7). Build with -DKVEC_NO_SIMD for the portable path; both paths give
+ * the same bytes. Their shared scratch buffer is kvec_scratch (_scratch.h). */
 #ifndef KVFS_PLANES_H
 #define KVFS_PLANES_H
 #include <stddef.h>
@@ -19,10 +19,6 @@ static inline void put_u32(uint8_t *p, uint32_t v) { p[0] = v; p[1] = v >> 8; p[
 static inline uint32_t get_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
-
-/* One buffer per thread for either version's planes (frames are ~1 MiB: keep it instead of faulting in a
- * fresh one per frame). Defined in _entropy.c; valid until the thread's next call. */
-__attribute__((visibility("hidden"))) uint8_t *kvec_scratch(size_t n);
 
 /* Bytes of the packed low bits of n elements: 14 per 16, then one per remaining element. */
 static inline size_t packed_low_bytes(size_t n) { return n / 16 * 14 + n % 16; }

@@ -46,3 +46,7 @@ uint8_t *scratch_reserve(scratch_t *sc, size_t n) {
     sc->cap = sc->buf ? n : 0;
     return sc->buf;
 }
+
+static __thread scratch_t planes_scratch;
+
+uint8_t *kvec_scratch(size_t n) { return scratch_reserve(&planes_scratch, n); }
