@@ -29,7 +29,7 @@ def test_soak_three_minutes(ceph, tmp_path):
     """Writers, verifying readers, pins/demotes/prefetches/drops and two RGW outages for 3 minutes: no wrong
     read, nothing lost, RSS and fds flat, the WAL bounded, a clean unmount — and the run did all that."""
     # RSS: 40 MiB/min, not the tool's 2: a 3-minute run is mostly warm-up, caches filling at ~14-18 MiB/min (over
-    # 15 minutes the slope after warm-up is 1.4: README, Soak). A leak of one file buffer per write or read (0.1-1.5 MB,
+    # 15 minutes the slope after warm-up is 1.4: docs/soak.md). A leak of one file buffer per write or read (0.1-1.5 MB,
     # 100+ a minute) still fails it.
     opts = Options(duration_s=180, out=tmp_path / "out", interval_s=5, rgw_every_s=55, rss_slope_mib_per_min=40)
     report = run_soak(opts, ceph, tmp_path / "run")

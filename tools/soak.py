@@ -53,7 +53,7 @@ from kvfs.daemon import WAL_LIMIT_BYTES  # noqa: E402
 # Bounds of the verdict. RSS: after the warm-up the heap should have reached the high-water mark of frames in
 # flight (the daemon keeps freed frame buffers, mallopt trim threshold 256 MiB), so a healthy daemon is flat;
 # 2 MiB/min (120 MiB/h) lies above the sampling noise and far below a leak of anything per file (hundreds of
-# files a minute: 2 MiB/min is < 10 KiB per file written). Measured (README, Soak): the daemon's native (non-
+# files a minute: 2 MiB/min is < 10 KiB per file written). Measured (docs/soak.md): the daemon's native (non-
 # Python) memory still grows 4-9 MiB/min in the first 15 minutes while its Python heap is flat, an open
 # finding; short runs (CI) pass a looser bound with --rss-slope, which still catches a leak of file-sized
 # buffers. fds: the steady set (FUSE, index,
