@@ -22,6 +22,10 @@ DEFAULT_L4_LEASE_S = 60.0  # a private L4's claim (kvfs/owner.py): renewed every
 TAKEOVERS = ("expired", "force")  # --l4-takeover, --force
 CODECS = ("auto", "entropy", "zstd", "deflate", "qat", "none")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "none")
+# what adopting a direct write's staged object checks: the header, frame table and every payload's checksum
+# ("checksums": raw checksums are then checked on every read, as for any object), or also decodes every frame
+# and checks its raw checksum ("decode": costs a decode per byte written)
+ADOPT_VERIFY = ("checksums", "decode")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -142,6 +146,8 @@ class Config:
     metrics_address: str = "127.0.0.1"
     l4_lease_s: float = DEFAULT_L4_LEASE_S  # [l4] lease: how long a private L4's claim outlives its last renewal
     l4_takeover: str | None = None  # take over another mount's private L4: "expired" (its lease) or "force"
+    direct_writes: bool = True  # offer writers a staging directory (kvfs/staging.py, docs/direct.md)
+    adopt_verify: str = "checksums"  # what adopting a staged object checks: ADOPT_VERIFY
 
     @property
     def lossy_mode(self) -> lossy.Lossy:
@@ -302,6 +308,7 @@ def build_config(
     metrics_port: int | None = None,
     metrics_address: str | None = None,
     l4_takeover: str | None = None,
+    direct_writes: bool | None = None,
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
     toml = load_toml(Path(config_file)) if config_file else {}
@@ -350,6 +357,9 @@ def build_config(
     if frame_size % 4096 or not (64 << 10) <= frame_size <= (16 << 20):
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
     max_dirty = parse_size(mount_t["max_dirty"]) if "max_dirty" in mount_t else default_max_dirty()
+    adopt_verify = mount_t.get("adopt_verify", "checksums")
+    if adopt_verify not in ADOPT_VERIFY:
+        raise ConfigError(f"adopt_verify must be one of {', '.join(ADOPT_VERIFY)}, got {adopt_verify!r}")
     lfile = log_file or mount_t.get("log_file")
     port = _metrics_port(metrics_port if metrics_port is not None else mount_t.get("metrics_port"))
     return Config(
@@ -373,6 +383,8 @@ def build_config(
         metrics_address=str(metrics_address or mount_t.get("metrics_address", "127.0.0.1")),
         l4_lease_s=lease_s,
         l4_takeover=l4_takeover,
+        direct_writes=bool(mount_t.get("direct_writes", True) if direct_writes is None else direct_writes),
+        adopt_verify=adopt_verify,
     )
 
 

@@ -214,6 +214,7 @@ async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.
         nursery.start_soon(_watch_signals)
         nursery.start_soon(mover.run)
         nursery.start_soon(_flush_periodically, index, ops.counters)
+        nursery.start_soon(ops.adopter.sweep_periodically)
         if claim is not None:
             nursery.start_soon(claim.keep)
         if ops.shared is not None:

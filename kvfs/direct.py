@@ -30,6 +30,7 @@ import numpy as np
 
 from . import format as fmt
 from .codecs import kernel
+from .direct_write import write_file  # noqa: F401  (writes past FUSE, the mirror of these reads)
 
 XA_OBJECT = "user.kvfs.object"
 VALUE_MAX = 4096

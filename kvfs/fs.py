@@ -20,6 +20,8 @@ import pyfuse3
 import trio
 
 from . import direct
+from . import staging
+from .adopt import Adopter, AdoptRefused
 from . import lossy as lossy_modes
 from . import metrics
 from . import format as fmt
@@ -56,6 +58,8 @@ XA_SHAPE = b"user.kvfs.shape"  # a layout hint from the writer (the connector); 
 XA_LOSSY = b"user.kvfs.lossy"  # opt-in lossy mode (kvfs/lossy.py), on files or directories (inherited at create)
 INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes", b"user.kvfs.transform")
 XA_OBJECT = direct.XA_OBJECT.encode()  # where the object lies, for readers past FUSE; readable, not listed
+XA_STAGING = staging.XA_STAGING.encode()  # on a directory: the direct-write offer (kvfs/adopt.py)
+XA_ADOPT = staging.XA_ADOPT.encode()  # set on a directory: adopt a staged object as a file there
 IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT)  # set/remove succeed and change nothing (cp -a, rsync -X)
 SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 
@@ -135,6 +139,7 @@ class Operations(pyfuse3.Operations):
         self.hotcold = HotCold(index, store, mover, counters, self.drop_file)  # pin, tier, prefetch, drop, idle
         self.latency = metrics.RequestLatency()  # read/write durations, exported with --metrics-port
         self.fsck = LiveFsck(self)  # fsck jobs started through setxattr on .kvfs
+        self.adopter = Adopter(self)  # direct writes: objects encoded by their writers (kvfs/adopt.py)
 
     def open_files_get(self, ino: int) -> OpenFile | None:
         return self.open_files.get(ino)
@@ -723,6 +728,8 @@ class Operations(pyfuse3.Operations):
             return self._info_xattr(row, name)
         if name == XA_OBJECT and stat.S_ISREG(row["mode"]):
             return await self._object_xattr(inode, row)
+        if name == XA_STAGING and stat.S_ISDIR(row["mode"]):
+            return self.adopter.offer(inode)
         if name in REQUEST_XATTRS:
             value = self.hotcold.read(inode, name)
             if value is None:
@@ -756,11 +763,14 @@ class Operations(pyfuse3.Operations):
                     raise _err(e.errno) from None
                 return
             raise _err(errno.EPERM)
-        self._row(inode)
+        row = self._row(inode)
         if len(name) > XATTR_NAME_MAX:
             raise _err(errno.ERANGE)
         if len(value) > XATTR_SIZE_MAX:
             raise _err(errno.E2BIG)
+        if name == XA_ADOPT and stat.S_ISDIR(row["mode"]):
+            await self._adopt(inode, bytes(value), ctx)
+            return
         if not name.startswith(b"user."):
             raise _err(errno.EOPNOTSUPP)
         if name in REQUEST_XATTRS:
@@ -807,6 +817,20 @@ class Operations(pyfuse3.Operations):
         if name.startswith(XA_PREFIX):
             raise _err(errno.EOPNOTSUPP)
         self.index.set_xattr(inode, name, bytes(value))
+
+    async def _adopt(self, parent: int, value: bytes, ctx) -> None:
+        try:
+            await self.adopter.adopt(parent, value, ctx)
+        except AdoptRefused as e:
+            self.counters.adopt_refusals += 1
+            log.info("adopt request in directory inode %d refused: %s", parent, e.reason)
+            raise _err(e.errno) from None
+        except OSError as e:
+            self.counters.adopt_refusals += 1
+            if e.errno in EXPECTED_ERRNOS:
+                log.info("adopt request in directory inode %d: %s", parent, e)
+                raise _err(e.errno) from None
+            raise
 
     @_guard
     async def removexattr(self, inode, name, ctx):

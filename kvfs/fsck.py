@@ -34,6 +34,7 @@ import trio
 from . import format as fmt
 from .index import ROOT_INODE, Index, object_id, parse_object_id
 from .store import PROBE_BYTES, ObjectRef, Store
+from .staging import STAGING_DIR
 from .tiers import Stray, Tier
 
 KINDS = ("corrupt", "missing", "orphan", "duplicate", "index")
@@ -354,7 +355,8 @@ class Checker:
         if stray is not None:
             if await self.store.io(tier.name, tier.stray_size, stray.name) is None:
                 return
-            finding = Finding("orphan", f"stray file {stray.name} ({stray.size} bytes)", tier.name)
+            what = "abandoned staged object" if stray.name.startswith(STAGING_DIR + "/") else "stray file"
+            finding = Finding("orphan", f"{what} {stray.name} ({stray.size} bytes)", tier.name)
             await self._add(finding, lambda: self.store.io(tier.name, tier.remove_stray, stray.name))
             return
         size = await self.store.io(tier.name, tier.size_of, oid)

@@ -428,6 +428,35 @@ class Index:
             self._touch_dir(parent, now)
         return ino
 
+    def reserve_inode(self, parent: int, mode: int, uid: int, gid: int) -> int:
+        """An inode for a direct write's object, with no name yet (nlink 0: reconcile deletes it, and its
+        object, if the daemon dies before `adopt_object` names it)."""
+        now = time.time_ns()
+        with self.transaction():
+            cur = self.db.execute(
+                "INSERT INTO inodes (mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, last_access_ns, "
+                "idle_policy_s) VALUES (?, ?, ?, 0, ?, ?, ?, ?, (SELECT idle_policy_s FROM inodes WHERE id = ?))",
+                (mode, uid, gid, now, now, now, now, parent))
+        return cur.lastrowid
+
+    def adopt_object(self, ino: int, parent: int, name: bytes, replaced: int | None, *, tier: str, size: int,
+                     stored_bytes: int, codec: str, transform: str, xattrs: list[tuple[bytes, bytes]]) -> None:
+        """A reserved inode gets its object (generation 1) and its name in one transaction, dropping the file
+        the name pointed at (`replaced`), as rename(2) over it would."""
+        now = time.time_ns()
+        with self.transaction():
+            if replaced is not None:
+                self.db.execute("DELETE FROM entries WHERE parent = ? AND name = ?", (parent, name))
+                self.db.execute("UPDATE inodes SET nlink = nlink - 1, ctime_ns = ? WHERE id = ?", (now, replaced))
+            self.db.execute(
+                "UPDATE inodes SET nlink = 1, obj_gen = 1, obj_tier = ?, size = ?, stored_bytes = ?, codec = ?, "
+                "transform = ?, mtime_ns = ?, ctime_ns = ?, last_access_ns = ? WHERE id = ?",
+                (tier, size, stored_bytes, codec, transform, now, now, now, ino))
+            self.db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, ino))
+            self.db.executemany("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?, ?, ?)",
+                                [(ino, k, v) for k, v in xattrs])
+            self._touch_dir(parent, now)
+
     def move_object(self, ino: int, gen: int, source: str, dest: str) -> bool:
         """The switch of the move protocol (I6): False when the row no longer names that object."""
         with self.transaction():

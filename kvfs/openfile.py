@@ -160,6 +160,15 @@ class EncodingPolicy:
                     self.codec, self.transform = self._choose(raw)
         return fmt.encode_frame(raw, self.codec.encoder(), self.transform)
 
+    def header(self, size: int, frame_size: int) -> fmt.Header:
+        """The object header of a file of `size` bytes whose frames this policy encoded."""
+        lossy_mode, lossy_param = self.lossy_header
+        return fmt.Header(raw_size=size, frame_size=frame_size, n_frames=-(-size // frame_size),
+                          transform=self.transform or transforms.IDENTITY, element_size=self.element_size,
+                          codec=self.codec_id, dtype=fmt.DTYPES.get(self.dtype, 0), lossy_mode=lossy_mode,
+                          lossy_param=lossy_param,
+                          extensions=fmt.tlv(fmt.EXT_SHAPE, self.shape) if self.shape else b"")
+
     def fp8_group(self) -> int:
         """Values per fp8 scale: asked for, else a channel's tokens (shape hint with `token` innermost), else 64."""
         if self.lossy.param and self.lossy.mode == lossy_modes.FP8:
@@ -536,13 +545,7 @@ class OpenFile:
                                      transform=None, mtime_ns=mtime, ctime_ns=self.ctime_ns)
             new_ref, new_layout = None, None
         else:
-            lossy_mode, lossy_param = self.policy.lossy_header
-            header = fmt.Header(raw_size=size, frame_size=self.frame_size, n_frames=n,
-                                transform=self.policy.transform or transforms.IDENTITY,
-                                element_size=self.policy.element_size, codec=self.policy.codec_id,
-                                dtype=fmt.DTYPES.get(self.policy.dtype, 0),
-                                lossy_mode=lossy_mode, lossy_param=lossy_param,
-                                extensions=fmt.tlv(fmt.EXT_SHAPE, self.policy.shape) if self.policy.shape else b"")
+            header = self.policy.header(size, self.frame_size)
             parts, entries = await self.store.cpu(fmt.build_object, header, frames)
             gen = self.next_gen
             self.next_gen += 1

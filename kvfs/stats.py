@@ -31,6 +31,10 @@ class Counters:
     read_requests: int = 0
     direct_reads: int = 0  # files whose object a reader opened past FUSE (user.kvfs.object, kvfs.direct)
     direct_bytes: int = 0  # their logical bytes
+    direct_writes: int = 0  # files whose object a writer encoded and staged, adopted by the daemon (kvfs.direct)
+    direct_write_bytes: int = 0  # their logical bytes
+    adopt_refusals: int = 0  # adopt requests refused (bad object or request, no room: the log says why)
+    staged_abandoned: int = 0  # staged objects removed because their writers were gone
     commits: int = 0  # objects committed (flush/fsync with changes)
     commit_failures: int = 0  # commits answered with an error (ENOSPC, EIO, …)
     frames_encoded: int = 0

@@ -120,7 +120,8 @@ class KvfsMount:
     def objects(self, tier: str | None = None) -> list[Path]:
         """Object files in one tier's directory, or in all of them."""
         tiers = [tier] if tier else ["L2", "L3"]
-        return sorted(p for t in tiers for p in self.tier_dir(t).glob("*/*") if p.is_file())
+        return sorted(p for t in tiers for p in self.tier_dir(t).glob("*/*")
+                      if p.is_file() and p.parent.name != "staging")
 
     def check_accounting(self, stats: dict | None = None) -> None:
         """Each tier's counters equal what its directory holds: no leaked, missing or half-written objects.

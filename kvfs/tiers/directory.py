@@ -1,16 +1,20 @@
 """A tier in a local directory: L2 on tmpfs, L3 on an SSD, or L4 on a mounted distributed filesystem.
 
 Layout: <root>/<2 hex digits>/<object_id>; puts go to <object_id>.tmp first. Directories are 0700 and
-objects 0600 so other users cannot read cached KV through the backing store.
+objects 0600 so other users cannot read cached KV through the backing store. <root>/staging/ holds objects
+that direct writers encoded themselves, until the daemon adopts them (kvfs/staging.py, kvfs/adopt.py);
+abandoned ones count as strays.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from .. import staging
 from .base import ObjectInfo, Stray, Tier
 
 TMP_SUFFIX = ".tmp"
@@ -25,6 +29,37 @@ class DirectoryTier(Tier):
 
     def describe(self) -> str:
         return str(self.root)
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.root / staging.STAGING_DIR
+
+    def make_staging_dir(self) -> Path:
+        """The staging directory, created 0700 (only the daemon's user, or root, may write direct)."""
+        self.staging_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.staging_dir, 0o700)
+        return self.staging_dir
+
+    def adopt_staged(self, staged: Path, object_id: str) -> None:
+        """Rename a verified staged object into place (same filesystem: no bytes move)."""
+        self.check_writable()
+        path = self._path(object_id)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        os.rename(staged, path)
+        if self.persistent:
+            _fsync_dir(path.parent)
+
+    def staged(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """Staged objects, live or abandoned."""
+        try:
+            entries = list(os.scandir(self.staging_dir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            try:
+                yield Path(entry.path), entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # adopted or removed meanwhile
 
     def _path(self, object_id: str) -> Path:
         shard = format(hash_shard(object_id), "02x")
@@ -95,7 +130,15 @@ class DirectoryTier(Tier):
         return path.name.endswith(TMP_SUFFIX) or path.parent != self._path(path.name).parent
 
     def strays(self) -> Iterator[Stray]:
+        """Temp files of interrupted puts, misplaced files, and abandoned staged objects (a live writer's
+        are not strays: it is about to ask for their adoption)."""
+        now = time.time()
+        for path, st in self.staged():
+            if staging.abandoned(path.name, st.st_mtime, now):
+                yield Stray(f"{staging.STAGING_DIR}/{path.name}", st.st_size)
         for path in self.root.glob("*/*"):
+            if path.parent.name == staging.STAGING_DIR:
+                continue
             if self._is_stray(path):
                 try:
                     size = path.lstat().st_size

@@ -1,0 +1,378 @@
+"""The daemon's side of direct writes: offer a staging directory, verify and adopt staged objects.
+
+A writer (kvfs/direct_write.py) encodes a file's object in its own process and stages it in the fastest
+tier's staging directory; `setxattr(dir, user.kvfs.adopt)` asks the daemon to make it a file of that
+directory. The daemon's part is metadata and a check, never an encode:
+
+1. verify the staged object, in a worker thread: a plain file of the requester (or root's), header and frame
+   table checksums, a layout exactly as the format lays objects out, known codecs, the mount's frame size,
+   and every payload's xxh3 ("decode" also decodes every frame and checks its raw xxh3; otherwise reads
+   do that, as for every object). Anything else is refused with EBADMSG (EINVAL, EACCES: the log says why)
+   and the staged file removed: a refused object is never served.
+2. reserve an inode (no name: nlink 0), place the object (Mover.place: capacity, demotion, waiting or
+   ENOSPC, as for any commit), rename it into the tier (or copy it into a slower one);
+3. one index transaction names the inode, points it at the object and drops the file the name had.
+
+A crash anywhere leaves a staged file (removed once abandoned: kvfs/staging.py), or an object with an
+nlink-0 row, both removed by reconcile at the next start: never a partial file under a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import mmap
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyfuse3
+import trio
+
+from . import codecs
+from . import format as fmt
+from . import lossy as lossy_modes
+from .codecs import transforms
+from .index import object_id
+from .staging import AdoptRequest, Offer, crash_point
+from .store import ObjectRef, Layout
+from .tiers import DirectoryTier, Tier
+
+if TYPE_CHECKING:
+    from .fs import Operations
+
+log = logging.getLogger(__name__)
+
+PROBE = 64 << 10  # first read: the header and a frame table of ~1800 frames
+READ_PIECE = 4 << 20  # copies of a staged object into a slower tier
+SWEEP_INTERVAL_S = 60.0
+XA_DTYPE, XA_SHAPE, XA_LOSSY = b"user.kvfs.dtype", b"user.kvfs.shape", b"user.kvfs.lossy"
+
+
+class AdoptRefused(Exception):
+    """A staged object or request that cannot be adopted: answered with `errno`, the reason logged."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.errno = code
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    header: fmt.Header
+    entries: list[fmt.FrameEntry]
+    stored_bytes: int
+
+    @property
+    def codec_summary(self) -> str:
+        names = sorted({codecs.by_id(e.codec).name for e in self.entries if not e.is_hole})
+        return "+".join(names) if names else "none"
+
+
+def open_staged(path: Path, uid: int) -> tuple[int, int]:
+    """Open a staged object to adopt it: (fd, size). Only a plain file with one link, the requester's (or
+    any, for root): a hard link or symlink could let its writer change the object after the check."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise AdoptRefused(errno.ENOENT, "no such staged object") from None
+    except OSError as e:  # ELOOP: a symlink
+        raise AdoptRefused(errno.EACCES, f"staged object cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise AdoptRefused(errno.EACCES, "staged object is not a plain file with one link")
+        if uid != 0 and st.st_uid != uid:
+            raise AdoptRefused(errno.EACCES, f"staged object belongs to uid {st.st_uid}, not the requester {uid}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def verify_and_place(fd: int, size: int, frame_size: int, decode: bool,
+                     place: "Callable[[], None]") -> Verified:
+    """Verify the staged object open as fd (AdoptRefused EBADMSG when it fails), then run `place` (the move
+    into its tier), in one worker-thread hop."""
+    try:
+        verified = _verify_object(fd, size, frame_size, decode)
+    except fmt.CorruptObject as e:
+        raise AdoptRefused(errno.EBADMSG, f"staged object refused: {e}") from None
+    place()
+    return verified
+
+
+def _verify_object(fd: int, size: int, frame_size: int, decode: bool) -> Verified:
+    head = os.pread(fd, PROBE, 0)
+    header = fmt.parse_header(head)
+    if header.data_offset > len(head):
+        head = os.pread(fd, header.data_offset, 0)
+    if len(head) < header.data_offset:
+        raise fmt.CorruptObject("shorter than its frame table")
+    if header.frame_size != frame_size:
+        raise fmt.CorruptObject(f"frame size {header.frame_size}, the mount's is {frame_size}")
+    entries = fmt.parse_table(header, memoryview(head)[header.size:], size)
+    _check_layout(header, entries, size)
+    _check_payloads(fd, size, entries, decode)
+    return Verified(header, entries, size)
+
+
+def _check_layout(header: fmt.Header, entries: list[fmt.FrameEntry], size: int) -> None:
+    """Payloads back to back after the table, in frame order, filling the object exactly: nothing hidden
+    between or after them; every codec and transform one this daemon decodes."""
+    offset = header.data_offset
+    for i, e in enumerate(entries):
+        if e.is_hole:
+            if e.stored_len:
+                raise fmt.CorruptObject(f"frame {i}: a hole with a payload")
+            continue
+        if e.offset != offset or e.stored_len == 0:
+            raise fmt.CorruptObject(f"frame {i}: payload not where the format puts it")
+        if e.codec not in codecs.REGISTRY or e.transform not in transforms.NAMES:
+            raise fmt.CorruptObject(f"frame {i}: codec {e.codec} / transform {e.transform} unknown here")
+        if e.codec == codecs.NoneCodec.id and e.stored_len != e.raw_len:
+            raise fmt.CorruptObject(f"frame {i}: stored raw with another length")
+        offset += e.stored_len
+    if offset != size:
+        raise fmt.CorruptObject(f"{size} bytes, its frames account for {offset}")
+
+
+def _check_payloads(fd: int, size: int, entries: list[fmt.FrameEntry], decode: bool) -> None:
+    """Every payload's xxh3 (and with decode, its raw xxh3 after decoding), hashed where the page cache
+    holds it: a mapping, no copy."""
+    if size == 0:
+        return
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+        problem = _first_bad_payload(mapped, entries, decode)
+    if problem:
+        raise fmt.CorruptObject(problem)
+
+
+def _first_bad_payload(mapped: mmap.mmap, entries: list[fmt.FrameEntry], decode: bool) -> str | None:
+    """What is wrong with the first bad payload, or None. Every view of the mapping is released on return
+    (the mapping cannot close while one is exported)."""
+    with memoryview(mapped) as view:
+        for i, e in enumerate(entries):
+            if e.is_hole:
+                continue
+            with view[e.offset:e.offset + e.stored_len] as payload:
+                if decode:
+                    try:
+                        fmt.decode_frame(e, payload)  # payload and raw checksums
+                    except fmt.CorruptObject as err:
+                        return f"frame {i}: {err}"
+                elif fmt.xxh3(payload) != e.stored_xxh3:
+                    return f"frame {i}: payload checksum mismatch"
+    return None
+
+
+def _put_from_staged(tier: Tier, staged: Path, oid: str, size: int) -> None:
+    """A staged object placed in another tier than the staging one: copy it there, then drop the staged file."""
+    def pieces():
+        with open(staged, "rb") as f:
+            while piece := f.read(READ_PIECE):
+                yield piece
+    written = tier.put(oid, pieces(), tier.persistent)
+    if written != size:
+        raise OSError(errno.EIO, f"staged object changed while it was copied ({written} of {size} bytes)")
+    staged.unlink(missing_ok=True)
+
+
+class Adopter:
+    """Direct writes for one mount: the offer (getxattr), adoption (setxattr), and the staging sweep."""
+
+    def __init__(self, ops: "Operations") -> None:
+        self.ops = ops
+        self.config = ops.config
+        self._staging_made: Path | None = None
+
+    def staging_tier(self) -> DirectoryTier | None:
+        """The fastest tier, when it is a local directory this mount may write to and direct writes are on."""
+        if not self.config.direct_writes:
+            return None
+        tier = self.ops.store.order[0]
+        if not isinstance(tier, DirectoryTier) or tier.fenced is not None or tier.disowned:
+            return None
+        return tier
+
+    def offer(self, ino: int) -> bytes:
+        """The answer to getxattr(dir, user.kvfs.staging): how new files there are encoded, and where to stage."""
+        tier = self.staging_tier()
+        if tier is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        if self._staging_made != tier.staging_dir or not tier.staging_dir.is_dir():
+            self._staging_made = tier.make_staging_dir()
+        lossy = self.ops.index.get_xattr(ino, XA_LOSSY)
+        return Offer(self.config.frame_size, self.config.codec, self.config.dtype,
+                     lossy.decode() if lossy is not None else self.config.lossy, str(self._staging_made)).encode()
+
+    async def adopt(self, parent: int, value: bytes, ctx) -> None:
+        tier = self.staging_tier()
+        if tier is None:
+            raise AdoptRefused(errno.EOPNOTSUPP, "this mount offers no direct writes")
+        try:
+            req = AdoptRequest.decode(value)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise AdoptRefused(errno.EINVAL, f"malformed adopt request: {e}") from None
+        staged = tier.staging_dir / req.staged
+        try:
+            await self._adopt(parent, req, staged, tier, ctx)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_unlink_quietly, staged)
+            raise
+
+    async def _adopt(self, parent: int, req: AdoptRequest, staged: Path, tier: DirectoryTier, ctx) -> None:
+        """Reserve an inode and room, then verify and move the object in one worker-thread hop, then name it."""
+        ops = self.ops
+        xattrs = self._checked_xattrs(req.xattrs)
+        self._target(parent, req)  # refuse early what the final check would refuse
+        fd, size = open_staged(staged, ctx.uid)
+        try:
+            mode, gid = ops._new_owner(parent, stat.S_IFREG | (req.mode & 0o7777), ctx)
+            ino = ops.index.reserve_inode(parent, mode, ctx.uid, gid)
+            crash_point("adopt-reserved")
+            placed: Tier | None = None
+            try:
+                placed = await ops.mover.place(size, None, False)
+                oid = object_id(ino, 1)
+                if placed is tier:
+                    move = functools.partial(tier.adopt_staged, staged, oid)
+                else:
+                    move = functools.partial(_put_from_staged, placed, staged, oid, size)
+                verified = await ops.store.io(placed.name, verify_and_place, fd, size, self.config.frame_size,
+                                              self.config.adopt_verify == "decode", move, size=size)
+                crash_point("adopt-placed")
+                replaced = self._target(parent, req)  # again: the name may have changed while we waited
+                ops.index.adopt_object(ino, parent, req.name, replaced, tier=placed.name,
+                                       size=verified.header.raw_size, stored_bytes=size,
+                                       codec=verified.codec_summary,
+                                       transform=transforms.NAMES[verified.header.transform], xattrs=xattrs)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await self._undo(ino, placed, size)
+                raise
+        finally:
+            os.close(fd)
+        crash_point("adopt-named")
+        ref = ObjectRef(ino, 1, placed.name, size)
+        ops.store.keep_layout(ref, Layout(verified.header, verified.entries))
+        ops.counters.direct_writes += 1
+        ops.counters.direct_write_bytes += verified.header.raw_size
+        if replaced is not None:
+            await ops.forget_names(replaced, [(parent, req.name)])
+            await ops._maybe_delete(replaced)
+        ops.mover.publish_later(ino)
+        await self._requests(ino, req.xattrs)
+
+    async def _undo(self, ino: int, placed: Tier | None, size: int) -> None:
+        """An adoption that did not complete: its inode and, once placed, its charge and object go."""
+        ops = self.ops
+        row = ops.index.get(ino)
+        if row is not None and row["nlink"]:
+            return  # named: it completed after all
+        ops.index.delete_inode(ino)
+        if placed is not None:
+            ops.store.release(placed.name, size)
+            try:
+                await ops.store.io(placed.name, placed.delete, object_id(ino, 1))
+            except OSError as e:
+                log.warning("removing the object of a failed adoption from %s: %s (reconcile removes it at the "
+                            "next start)", placed.name, e)
+
+    def _target(self, parent: int, req: AdoptRequest) -> int | None:
+        """The inode the name points at now, which the adoption replaces; refused where create or rename
+        would be. Synchronous: the caller's check and transaction see the same index."""
+        ops = self.ops
+        if not req.name or b"/" in req.name or b"\0" in req.name or req.name in (b".", b".."):
+            raise AdoptRefused(errno.EINVAL, f"{req.name[:40]!r} is not a file name")
+        ops._check_name(req.name)
+        ops._check_mutable_dir(parent, req.name)
+        prow = ops._row(parent)
+        if not stat.S_ISDIR(prow["mode"]) or prow["nlink"] == 0:
+            raise AdoptRefused(errno.ENOTDIR if not stat.S_ISDIR(prow["mode"]) else errno.ENOENT, "no such directory")
+        target = ops.index.lookup(parent, req.name)
+        if target is None:
+            return None
+        if req.exclusive:
+            raise AdoptRefused(errno.EEXIST, "exists")
+        row = ops._row(target)
+        if stat.S_ISDIR(row["mode"]):
+            raise AdoptRefused(errno.EISDIR, "a directory has that name")
+        if row["published_key"]:
+            raise AdoptRefused(errno.EXDEV, "a published name is the shared store's")
+        return target
+
+    def _checked_xattrs(self, xattrs) -> list[tuple[bytes, bytes]]:
+        """The user.* attributes the file is created with, validated as setxattr would; hot/cold requests
+        (pin, idle, …) are applied after the adoption instead."""
+        from .hotcold import REQUEST_XATTRS
+        kept = []
+        for name, value in xattrs:
+            if not name.startswith(b"user.") or len(name) > 255 or len(value) > 64 << 10:
+                raise AdoptRefused(errno.EINVAL, f"xattr {name[:40]!r} cannot be set")
+            if name in REQUEST_XATTRS:
+                continue
+            if name == XA_DTYPE and value.decode(errors="replace") not in ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE):
+                raise AdoptRefused(errno.EINVAL, f"user.kvfs.dtype={value[:20]!r}")
+            if name == XA_SHAPE:
+                try:
+                    fmt.parse_shape_hint(value)
+                except ValueError as e:
+                    raise AdoptRefused(errno.EINVAL, f"user.kvfs.shape: {e}") from None
+                value = value.strip()
+            elif name == XA_LOSSY:
+                try:
+                    value = lossy_modes.parse(value).describe().encode()
+                except ValueError as e:
+                    raise AdoptRefused(errno.EINVAL, f"user.kvfs.lossy: {e}") from None
+            elif name.startswith(b"user.kvfs.") and name not in (XA_DTYPE, XA_SHAPE):
+                continue  # informational (tier, codec, …): recomputed by kvfs
+            kept.append((name, value))
+        return kept
+
+    async def _requests(self, ino: int, xattrs) -> None:
+        from .hotcold import REQUEST_XATTRS, RequestError
+        for name, value in xattrs:
+            if name in REQUEST_XATTRS:
+                try:
+                    await self.ops.hotcold.request(ino, name, value)
+                except RequestError as e:
+                    log.info("%s=%r on adopted inode %d refused: %s", name.decode(), value[:20], ino, e.strerror)
+
+    async def sweep_periodically(self) -> None:
+        """Remove staged objects whose writers are gone (the daemon's nursery runs this)."""
+        while True:
+            await trio.sleep(SWEEP_INTERVAL_S)
+            tier = self.staging_tier()
+            if tier is None:
+                continue
+            try:
+                removed = await self.ops.store.io(tier.name, _remove_abandoned, tier)
+            except OSError as e:
+                log.warning("sweeping %s: %s", tier.staging_dir, e)
+                continue
+            if removed:
+                self.ops.counters.staged_abandoned += removed
+                log.info("removed %d abandoned staged objects from %s", removed, tier.staging_dir)
+
+
+def _remove_abandoned(tier: DirectoryTier) -> int:
+    removed = 0
+    for stray in list(tier.strays()):
+        if stray.name.startswith(tier.staging_dir.name + "/"):
+            tier.remove_stray(stray.name)
+            removed += 1
+    return removed
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
