@@ -263,3 +263,27 @@ def test_cuda_load_waits_for_earlier_kernels_and_attention_waits_for_its_layer(t
         assert torch.equal(before, torch.full_like(before, 2.0))
         assert torch.equal(_bits(after), _bits(exp))
     w.shutdown()
+
+
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_worker_saves_into_a_kvfs_mount_past_fuse_by_default(make_mount, direct_writes):
+    """On a real mount the worker encodes chunks itself and kvfs adopts them (direct_writes, the default);
+    off, the chunk is written through the mount. Either way it loads back exactly."""
+    m = make_mount().start()
+    w, caches, spec, _ = _worker(m.mountpoint, ("cpu", "CPU_ATTN"), direct_writes=direct_writes)
+    original = [c.clone() for c in caches]
+    w.save([spec])
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 1 and w.stats["saved_direct"] == int(direct_writes)
+    s = m.stats()
+    assert (s["direct_writes"], s["commits"]) == ((1, 0) if direct_writes else (0, 1))
+    assert os.getxattr(spec.paths[0], "user.kvfs.dtype") == b"bf16"
+    assert os.getxattr(spec.paths[0], "user.kvfs.shape") == w.xattrs["user.kvfs.shape"]
+    assert not [p for p in os.listdir(os.path.dirname(spec.paths[0])) if p.endswith(".tmp")]
+    assert _load(w, spec, [0, 9]) == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))
+    w.save([spec])  # exists: skipped
+    w.flush(10)
+    assert w.stats["saves_existing"] == 1
+    w.shutdown()

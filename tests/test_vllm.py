@@ -172,6 +172,8 @@ def test_fresh_engine_loads_what_another_stored(stored, baseline, prompts, workd
     assert f.stat().st_size == 4096 + 256 * BYTES_PER_TOKEN
     assert f.parent.name == f.name[:2] and f.parent.parent.name.startswith("SmolLM2-135M-Instruct-")
     assert int(os.getxattr(f, "user.kvfs.stored_bytes")) < COMPRESSED * f.stat().st_size
+    s = m.stats()  # saved past FUSE: encoded in the engine's worker, adopted by the daemon
+    assert s["direct_writes"] == len(files) and s["commits"] == 0, s
 
     second = run_engine(workdir / "e2", [{"prompts": prompts, **ROUND}],
                         connector(m.mountpoint))

@@ -163,7 +163,8 @@ class KVFSConnector(KVConnectorBase_V1):
         self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
                                  readers, s.max_pending_save_mb << 20, s.direct_reads, s.lossy_mode,
                                  s.demote_after_idle_s, io_cpus, pinned_bytes=s.pinned_memory_mb << 20,
-                                 device_staging_bytes=s.device_staging_mb << 20)
+                                 device_staging_bytes=s.device_staging_mb << 20, direct_writes=s.direct_writes,
+                                 save_threads=s.save_threads)
         self.worker.warm_up()
         log.info("kvfs connector worker: %d layers on %s, layout %s (backend %s, vLLM %s), rank %d, %d reader "
                  "threads on %s", len(tensors), tensors[0].device, chosen.name, engine.backend, engine.vllm_version,

@@ -1,11 +1,13 @@
-"""File operations on chunk files: exists, write atomically (temp name + rename) with xattrs. Reads are
-kvfs.direct's: past FUSE where the mount offers it, through the mount otherwise."""
+"""File operations on chunk files: exists, write atomically with xattrs. Reads and writes are kvfs.direct's:
+past FUSE where the mount offers it (the writer encodes, kvfs adopts), through the mount otherwise."""
 
 from __future__ import annotations
 
 import errno
 import os
 import uuid
+
+from kvfs import direct
 
 XA_DTYPE = "user.kvfs.dtype"
 XA_SHAPE = "user.kvfs.shape"
@@ -33,15 +35,22 @@ def request(path: str, name: str, value: bytes) -> bool:
         return False
 
 
-def write_atomic(path: str, parts: list, xattrs: dict[str, bytes]) -> bool:
-    """Write `parts` under a temporary name and rename it into place; False if the file exists already.
+def write_atomic(path: str, parts: list, xattrs: dict[str, bytes], direct_writes: bool = False) -> str | None:
+    """Write `parts` as the file `path`, atomically; None if the file exists already, else how it went:
+    "direct" (encoded here and adopted by kvfs: kvfs.direct.write_file) or "mount" (a temporary name renamed
+    into place, through the mount or on a plain directory).
 
-    Readers see either no file or the whole file. The xattrs are set before the data is written: kvfs reads
-    user.kvfs.dtype and user.kvfs.shape to choose how to encode the file's frames."""
+    Readers see either no file or the whole file. The xattrs go with the file: kvfs reads user.kvfs.dtype and
+    user.kvfs.shape to choose how to encode the file's frames."""
     if exists(path):
-        return False
+        return None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if direct_writes:
+        try:
+            return "direct" if direct.write_file(path, parts, xattrs=xattrs, mode=0o644, exclusive=True) else "mount"
+        except FileExistsError:
+            return None
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -64,8 +73,8 @@ def write_atomic(path: str, parts: list, xattrs: dict[str, bytes]) -> bool:
             if e.errno != errno.EXDEV or not exists(path):
                 raise
             os.unlink(tmp)
-            return False
-        return True
+            return None
+        return "mount"
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -24,6 +24,8 @@ class Settings:
     io_threads: int | None = None  # reader threads; None: 8 for a GPU cache, 4 for a CPU one (io_thread_count)
     io_cpus: str = "worker"  # CPUs of the reader/writer threads: "worker", "auto" or a list like "0-3,8" (cpus.py)
     direct_reads: bool = True  # read chunk objects past FUSE where kvfs offers it (kvfs.direct); else the mount
+    direct_writes: bool = True  # encode chunks in the worker and have kvfs adopt them (kvfs.direct); else the mount
+    save_threads: int = 2  # writer threads per worker (with direct writes they also encode)
     max_pending_save_mb: int = 512  # copied-out chunks waiting for the writer; beyond, saves are dropped
     pinned_memory_mb: int = 1024  # GPU workers: page-locked staging (readers' buffers, save slots); pageable beyond
     device_staging_mb: int = 128  # GPU workers: device memory a step's saves are gathered into (at least a chunk)
@@ -55,8 +57,8 @@ class Settings:
             cpus.check(s.io_cpus)
         except ValueError as e:
             raise ValueError(f'kvfs connector: io_cpus must be "auto", "worker" or a CPU list: {e}') from None
-        if (s.io_threads is not None and s.io_threads < 1) or s.max_pending_save_mb < 0:
-            raise ValueError("kvfs connector: io_threads must be >= 1 and max_pending_save_mb >= 0")
+        if (s.io_threads is not None and s.io_threads < 1) or s.max_pending_save_mb < 0 or s.save_threads < 1:
+            raise ValueError("kvfs connector: io_threads and save_threads must be >= 1 and max_pending_save_mb >= 0")
         for key in ("pinned_memory_mb", "device_staging_mb"):
             if not isinstance(getattr(s, key), int) or getattr(s, key) < 0:
                 raise ValueError(f"kvfs connector: {key} must be a whole number of MB >= 0")

@@ -55,7 +55,8 @@ class WorkerSide:
                  rank: int, guard: MountGuard, io_threads: int, max_pending_save_bytes: int,
                  direct_reads: bool = True, lossy: str = "none", idle_s: int = 0,
                  io_cpus: frozenset[int] | None = None, pinned_bytes: int = PINNED_MB << 20,
-                 device_staging_bytes: int = DEVICE_STAGING_MB << 20) -> None:
+                 device_staging_bytes: int = DEVICE_STAGING_MB << 20, direct_writes: bool = True,
+                 save_threads: int = 2) -> None:
         self.layout = layout
         self.descriptor = layout.descriptor()
         if lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
@@ -68,7 +69,7 @@ class WorkerSide:
         self.memory = HostMemory(pinned=self.copies.device_side, limit_bytes=pinned_bytes)
         self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read",
                                              initializer=cpus.pin_current_thread, initargs=(io_cpus,))
-        self.writer = cf.ThreadPoolExecutor(2, thread_name_prefix="kvfs-write",
+        self.writer = cf.ThreadPoolExecutor(save_threads, thread_name_prefix="kvfs-write",
                                             initializer=cpus.pin_current_thread, initargs=(io_cpus,))
         self.max_pending = max_pending_save_bytes
         self.payload_bytes = layout.payload_bytes
@@ -80,6 +81,7 @@ class WorkerSide:
                                      keep=max(1, max_pending_save_bytes // max(1, self.payload_bytes)),
                                      drop=self.memory.free)
         self.direct_reads = direct_reads
+        self.direct_writes = direct_writes  # encode chunks here and have kvfs adopt them (kvfs.direct.write_file)
         self._pending_bytes = 0
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
@@ -242,9 +244,11 @@ class WorkerSide:
                 return
             parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
                                     slot[:self.payload_bytes].numpy())
-            if files.write_atomic(path, parts, self.xattrs):
+            how = files.write_atomic(path, parts, self.xattrs, self.direct_writes)
+            if how is not None:
                 self.stats["saved_chunks"] += 1
                 self.stats["saved_bytes"] += self.payload_bytes
+                self.stats["saved_direct"] += how == "direct"
             else:
                 self.stats["saves_existing"] += 1
         except OSError as e:
