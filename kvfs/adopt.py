@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 PROBE = 64 << 10  # first read: the header and a frame table of ~1800 frames
 READ_PIECE = 4 << 20  # copies of a staged object into a slower tier
 SWEEP_INTERVAL_S = 60.0
+RESERVE_BATCH = 32
 XA_DTYPE, XA_SHAPE, XA_LOSSY = b"user.kvfs.dtype", b"user.kvfs.shape", b"user.kvfs.lossy"
 
 
@@ -190,6 +191,7 @@ class Adopter:
         self.ops = ops
         self.config = ops.config
         self._staging_made: Path | None = None
+        self._spare: list[int] = []  # reserved inode ids (kvfs/index.py reserve_inodes)
 
     def staging_tier(self) -> DirectoryTier | None:
         """The fastest tier, when it is a local directory this mount may write to and direct writes are on."""
@@ -231,11 +233,12 @@ class Adopter:
         """Reserve an inode and room, then verify and move the object in one worker-thread hop, then name it."""
         ops = self.ops
         xattrs = self._checked_xattrs(req.xattrs)
+        self._check_directory(parent, req.name)
         self._target(parent, req)  # refuse early what the final check would refuse
         fd, size = open_staged(staged, ctx.uid)
         try:
             mode, gid = ops._new_owner(parent, stat.S_IFREG | (req.mode & 0o7777), ctx)
-            ino = ops.index.reserve_inode(parent, mode, ctx.uid, gid)
+            ino = self._reserved_inode()
             crash_point("adopt-reserved")
             placed: Tier | None = None
             try:
@@ -249,7 +252,8 @@ class Adopter:
                                               self.config.adopt_verify == "decode", move, size=size)
                 crash_point("adopt-placed")
                 replaced = self._target(parent, req)  # again: the name may have changed while we waited
-                ops.index.adopt_object(ino, parent, req.name, replaced, tier=placed.name,
+                ops.index.adopt_object(ino, parent, req.name, replaced, mode=mode, uid=ctx.uid, gid=gid,
+                                       tier=placed.name,
                                        size=verified.header.raw_size, stored_bytes=size,
                                        codec=verified.codec_summary,
                                        transform=transforms.NAMES[verified.header.transform], xattrs=xattrs)
@@ -285,17 +289,25 @@ class Adopter:
                 log.warning("removing the object of a failed adoption from %s: %s (reconcile removes it at the "
                             "next start)", placed.name, e)
 
-    def _target(self, parent: int, req: AdoptRequest) -> int | None:
-        """The inode the name points at now, which the adoption replaces; refused where create or rename
-        would be. Synchronous: the caller's check and transaction see the same index."""
+    def _reserved_inode(self) -> int:
+        if not self._spare:
+            self._spare = self.ops.index.reserve_inodes(RESERVE_BATCH)
+        return self._spare.pop()
+
+    def _check_directory(self, parent: int, name: bytes) -> None:
+        """Refuse what create would refuse: a bad name, the virtual .kvfs, a directory that is gone."""
         ops = self.ops
-        if not req.name or b"/" in req.name or b"\0" in req.name or req.name in (b".", b".."):
-            raise AdoptRefused(errno.EINVAL, f"{req.name[:40]!r} is not a file name")
-        ops._check_name(req.name)
-        ops._check_mutable_dir(parent, req.name)
-        prow = ops._row(parent)
-        if not stat.S_ISDIR(prow["mode"]) or prow["nlink"] == 0:
-            raise AdoptRefused(errno.ENOTDIR if not stat.S_ISDIR(prow["mode"]) else errno.ENOENT, "no such directory")
+        if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+            raise AdoptRefused(errno.EINVAL, f"{name[:40]!r} is not a file name")
+        ops._check_name(name)
+        ops._check_mutable_dir(parent, name)
+        if ops._row(parent)["nlink"] == 0:
+            raise AdoptRefused(errno.ENOENT, "the directory was removed")
+
+    def _target(self, parent: int, req: AdoptRequest) -> int | None:
+        """The inode the name points at now, which the adoption replaces; refused where rename over it would
+        be. Synchronous: the caller's check and transaction see the same index."""
+        ops = self.ops
         target = ops.index.lookup(parent, req.name)
         if target is None:
             return None
