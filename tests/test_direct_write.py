@@ -271,6 +271,9 @@ def test_concurrent_direct_writers_overfilling_l2_push_demotion(make_mount, tmp_
     assert s["direct_writes"] == 24
     assert s["tiers"]["L2"]["demoted_files"] > 0 and s["tiers"]["L3"]["files"] > 0
     assert s["tiers"]["L2"]["used_bytes"] <= s["tiers"]["L2"]["capacity_bytes"]
+    big = os.urandom(16 << 20)  # larger than L2: placed in L3, copied there from the staging directory
+    assert direct.write_file(m.path("big"), big)
+    assert os.getxattr(m.path("big"), "user.kvfs.tier") == b"L3" and m.path("big").read_bytes() == big
     with pytest.raises(OSError) as e:
         direct.write_file(m.path("huge"), os.urandom(220 << 20))
     assert e.value.errno == errno.ENOSPC
