@@ -134,6 +134,8 @@ def _policy(offer: Offer, attrs: Mapping[str, bytes]) -> EncodingPolicy:
 def _stage(offer: Offer, parts: Sequence[memoryview], attrs: Mapping[str, bytes], threads: int) -> str | None:
     """Encode and write the object into the staging directory; its path, or None where this writer cannot
     (no rights there, the staging filesystem full, a codec not available here)."""
+    if not os.access(offer.staging, os.W_OK | os.X_OK):
+        return None  # another user than the daemon's: asked before encoding, which would be wasted
     try:
         encoded = encode_object(parts, offer, attrs, threads)
     except (KeyError, ValueError, codecs.CodecError):
