@@ -126,6 +126,7 @@ class Operations(pyfuse3.Operations):
         mover.forget_names = self.forget_names
         self.codec = None if config.codec == "auto" else by_name(config.codec)  # None: chosen per file
         self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
+        self.initialized = trio.Event()  # set at the kernel's INIT (daemon: tune the mount after it)
         self.lookups: dict[int, int] = {}
         self.open_files: dict[int, OpenFile] = {}
         self.handles: dict[int, Handle] = {}
@@ -140,6 +141,10 @@ class Operations(pyfuse3.Operations):
         self.latency = metrics.RequestLatency()  # read/write durations, exported with --metrics-port
         self.fsck = LiveFsck(self)  # fsck jobs started through setxattr on .kvfs
         self.adopter = Adopter(self)  # direct writes: objects encoded by their writers (kvfs/adopt.py)
+
+    def init(self) -> None:
+        """The kernel's INIT request is being answered (pyfuse3 calls this, then replies)."""
+        self.initialized.set()
 
     def open_files_get(self, ino: int) -> OpenFile | None:
         return self.open_files.get(ino)
@@ -343,8 +348,10 @@ class Operations(pyfuse3.Operations):
     def _acquire(self, ino: int, row) -> OpenFile:
         state = self.open_files.get(ino)
         if state is None:
-            state = OpenFile(ino, row, self.store, self.index, self._policy(ino), self.config.frame_size,
-                             self.nursery, self.counters, self.dirty_budget, self.locks.take(ino))
+            # the encoding policy is read from the index at the first write: most opens only read
+            state = OpenFile(ino, row, self.store, self.index, functools.partial(self._policy, ino),
+                             self.config.frame_size, self.nursery, self.counters, self.dirty_budget,
+                             self.locks.take(ino))
             self.open_files[ino] = state
         state.handles += 1
         return state
@@ -482,7 +489,7 @@ class Operations(pyfuse3.Operations):
     @_guard
     async def flush(self, fh):
         h = self._handle(fh)
-        if h.state is not None:
+        if h.state is not None and (h.state.modified or h.state.corrupt):  # else nothing to commit
             await self._commit(h.state, durable=False)
 
     @_guard

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections.abc
 import errno
 import logging
 import threading
@@ -59,9 +60,13 @@ class _StaleObject(Exception):
 
 
 class DirtyFrame:
+    """A frame with unsaved content. `buf` holds frame_size bytes: a bytearray, or — for a frame written whole by
+    one request — that request's immutable bytes (or a view of them), kept without a copy until a later write
+    or truncation changes part of the frame (`OpenFile._writable`)."""
+
     __slots__ = ("buf", "version", "filled", "encoded", "encoding")
 
-    def __init__(self, buf: bytearray) -> None:
+    def __init__(self, buf: bytearray | bytes | memoryview) -> None:
         self.buf = buf
         self.version = 0
         self.filled = 0  # [0, filled) written sequentially since the frame became dirty
@@ -236,13 +241,16 @@ def _transform_for_dtype(dtype: str) -> int:
 
 
 class OpenFile:
-    def __init__(self, ino: int, row, store: Store, index: Index, policy: EncodingPolicy,
+    def __init__(self, ino: int, row, store: Store, index: Index,
+                 policy: EncodingPolicy | collections.abc.Callable[[], EncodingPolicy],
                  frame_size: int, nursery: trio.Nursery, counters, budget: DirtyBudget, lock: trio.Lock) -> None:
         self.ino = ino
         self.budget = budget
         self.store = store
         self.index = index
-        self.policy = policy
+        # a policy, or what makes it at the first write (a file opened only to be read never needs one)
+        self._policy: EncodingPolicy | None = policy if isinstance(policy, EncodingPolicy) else None
+        self._make_policy = None if self._policy is not None else policy
         self.frame_size = frame_size
         self.nursery = nursery
         self.counters = counters
@@ -263,6 +271,16 @@ class OpenFile:
         self.handles = 0
         self.corrupt: str | None = None
         self._eager = 0
+
+    @property
+    def policy(self) -> EncodingPolicy:
+        if self._policy is None:
+            self._policy = self._make_policy()
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: EncodingPolicy) -> None:
+        self._policy = policy
 
     # -- helpers ---------------------------------------------------------------------------------
     def _frame_len(self, i: int, size: int) -> int:
@@ -362,28 +380,40 @@ class OpenFile:
             log.debug("read-ahead of inode %d frame %d: %r", self.ino, i, e)
 
     # -- reads -----------------------------------------------------------------------------------
-    async def read(self, off: int, size: int) -> bytes:
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        """The bytes [off, off+size) (fewer at the end of the file). A read within one frame (the kernel's
+        requests, read-ahead sized to frames) is answered with a view of the decoded frame, not a copy: pyfuse3
+        copies it into the reply before any other task runs, and decoded frames are never changed."""
         self._check_usable()
         end = min(off + size, self.size)
-        parts = []
-        pos = off
+        if end <= off:
+            return b""
         F = self.frame_size
-        while pos < end:
-            i, fo = divmod(pos, F)
-            n = min(F - fo, end - pos)
-            raw = None if i in self.dirty else await self._committed_frame(i)
-            df = self.dirty.get(i)  # checked again: a write may have landed while we awaited
-            if df is not None:
-                parts.append(bytes(df.buf[fo:fo + n]))
-            elif raw is None:
-                parts.append(bytes(n))
-            else:
-                chunk = raw[fo:fo + n]
-                parts.append(chunk if len(chunk) == n else bytes(chunk) + bytes(n - len(chunk)))
-            pos += n
-        if end > off:
-            self._maybe_read_ahead((end - 1) // F, end)
-        return b"".join(parts)
+        last = (end - 1) // F
+        if off // F == last:
+            part = await self._part(last, off - last * F, end - off)
+        else:
+            parts = []
+            pos = off
+            while pos < end:
+                i, fo = divmod(pos, F)
+                n = min(F - fo, end - pos)
+                parts.append(await self._part(i, fo, n))
+                pos += n
+            part = b"".join(parts)
+        self._maybe_read_ahead(last, end)
+        return part
+
+    async def _part(self, i: int, fo: int, n: int) -> bytes | memoryview:
+        """Bytes [fo, fo+n) of frame i."""
+        raw = None if i in self.dirty else await self._committed_frame(i)
+        df = self.dirty.get(i)  # checked again: a write may have landed while we awaited
+        if df is not None:
+            return bytes(memoryview(df.buf)[fo:fo + n])  # a copy: later writes change a dirty frame
+        if raw is None:
+            return bytes(n)
+        chunk = memoryview(raw)[fo:fo + n]
+        return chunk if len(chunk) == n else bytes(chunk) + bytes(n - len(chunk))
 
     def _maybe_read_ahead(self, i: int, end: int) -> None:
         """Sequential reader past the middle of frame i: decode the next frames in the background."""
@@ -412,6 +442,14 @@ class OpenFile:
         df = self.dirty[i] = DirtyFrame(buf)
         return df
 
+    @staticmethod
+    def _writable(df: DirtyFrame) -> DirtyFrame:
+        """A dirty frame whose bytes can be changed in place: a frame kept as its write request's bytes is
+        copied first (an early encode of the old bytes may still be reading them)."""
+        if not isinstance(df.buf, bytearray):
+            df.buf = bytearray(df.buf)
+        return df
+
     def _drop_dirty(self, frames) -> None:
         for i in list(frames):
             del self.dirty[i]
@@ -434,13 +472,22 @@ class OpenFile:
             raise OSError(errno.EFBIG, "file too large")
         F = self.frame_size
         view = memoryview(data)
+        keep = isinstance(data, bytes)  # immutable: a whole frame of it can be kept without a copy
         async with self.lock:
             pos = off
             while pos < end:
                 i, fo = divmod(pos, F)
                 n = min(F - fo, end - pos)
-                df = self.dirty.get(i) or await self._materialize(i)
-                df.buf[fo:fo + n] = view[pos - off:pos - off + n]
+                df = self.dirty.get(i)
+                if n == F and keep:
+                    # the whole frame: its bytes are the request's (no zeroed buffer, no copy)
+                    if df is None:
+                        self.budget.charge(F)
+                        df = self.dirty[i] = DirtyFrame(b"")
+                    df.buf = data if n == len(data) else view[pos - off:pos - off + n]
+                else:
+                    df = self._writable(df) if df is not None else await self._materialize(i)
+                    df.buf[fo:fo + n] = view[pos - off:pos - off + n]
                 df.version += 1
                 if fo <= df.filled:
                     df.filled = max(df.filled, fo + n)
@@ -465,7 +512,8 @@ class OpenFile:
                 tail = new_size % F
                 if tail:
                     i = new_size // F
-                    df = self.dirty.get(i) or await self._materialize(i)
+                    df = self.dirty.get(i)
+                    df = self._writable(df) if df is not None else await self._materialize(i)
                     df.buf[tail:] = bytes(F - tail)
                     df.version += 1
                     df.filled = min(df.filled, tail)
@@ -546,10 +594,10 @@ class OpenFile:
             new_ref, new_layout = None, None
         else:
             header = self.policy.header(size, self.frame_size)
-            parts, entries = await self.store.cpu(fmt.build_object, header, frames)
             gen = self.next_gen
             self.next_gen += 1
-            new_ref = await self.store.put(self.ino, gen, parts, replacing=old, durable=durable)
+            new_ref, entries = await self.store.put_frames(self.ino, gen, header, frames, replacing=old,
+                                                           durable=durable)
             self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,
                                      stored_bytes=new_ref.stored_bytes, codec=_summary_codec(frames),
                                      transform=transforms.NAMES[header.transform], mtime_ns=mtime,

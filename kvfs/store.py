@@ -10,15 +10,18 @@ goes is decided by `place`, which the daemon replaces with the mover's policy (i
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import errno
 import os
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
+import numpy as np
 import trio
 
 from . import format as fmt
+from .codecs import kernel
 from .index import object_id
 from .tiers import Tier
 from .tiers.base import HEAD_BYTES
@@ -131,6 +134,23 @@ class Store:
             raise
         return ObjectRef(ino, gen, tier.name, size)
 
+    async def put_frames(self, ino: int, gen: int, header: fmt.Header, frames: list[fmt.EncodedFrame],
+                         replacing: ObjectRef | None, durable: bool) -> tuple[ObjectRef, list[fmt.FrameEntry]]:
+        """Lay out and write a new object from its encoded frames, in one worker-thread hop (the size is known
+        from the frames, so the tier is chosen first). Returns the object and its frame table."""
+        size = header.data_offset + sum(len(f.payload) for f in frames)
+        tier = await self.place(size, replacing, durable)
+        oid = object_id(ino, gen)
+        try:
+            entries = await self.io(tier.name, _build_and_put, tier, oid, header, frames, durable or tier.persistent,
+                                    size, size=size)
+        except BaseException:
+            self.release(tier.name, size)
+            with trio.CancelScope(shield=True):
+                await self.io(tier.name, tier.delete, oid)
+            raise
+        return ObjectRef(ino, gen, tier.name, size), entries
+
     async def copy(self, ref: ObjectRef, dest: Tier) -> ObjectRef:
         """Copy an object as it is (no recompression) into `dest`, which the caller has charged; durable where
         dest is persistent. On failure the partial copy is gone and the error raised."""
@@ -240,5 +260,51 @@ def _copy_reading_table(dest: Tier, source: Tier, ref: ObjectRef, new_id: str) -
         return size, None
 
 
-def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes:
-    return fmt.decode_frame(entry, tier.read(oid, entry.offset, entry.stored_len))
+def _build_and_put(tier: Tier, oid: str, header: fmt.Header, frames: list[fmt.EncodedFrame], durable: bool,
+                   size: int) -> list[fmt.FrameEntry]:
+    parts, entries = fmt.build_object(header, frames)
+    written = tier.put(oid, parts, durable)
+    if written is not None and written != size:  # a tier that reports its size must have written it all
+        raise OSError(errno.EIO, f"object {oid}: {written} bytes written, {size} laid out")
+    return entries
+
+
+def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes | memoryview:
+    """One frame of an object in a memory tier, read, verified and decoded. Where the codec kernel decodes
+    the frame (entropy, zstd, stored raw), the whole of it — pread, both checksums, decode — runs in one C call
+    without the GIL (kvfs_read_frames, as kvfs.direct does), into a fresh buffer that is never changed after."""
+    path = tier.local_path(oid)
+    if path is None or entry.is_hole:
+        return fmt.decode_frame(entry, tier.read(oid, entry.offset, entry.stored_len))
+    tier.check_readable(oid)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        out = np.empty(entry.raw_len, dtype=np.uint8)
+        table = np.frombuffer(fmt.FRAME_ENTRY.pack(*dataclasses.astuple(entry)), dtype=np.uint8)
+        done = ctypes.c_int64()
+        rc = kernel.lib.kvfs_read_frames(fd, table.ctypes.data, 1, out.ctypes.data, entry.raw_len,
+                                         ctypes.byref(done))
+        if rc == kernel.READ_OK:
+            return memoryview(out)
+        if rc == kernel.UNSUPPORTED:  # another codec or transform: decoded in Python
+            return fmt.decode_frame(entry, _pread(fd, entry.offset, entry.stored_len))
+        if rc == kernel.ERR_IO:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        if rc == kernel.ERR_NOMEM:
+            raise MemoryError("no memory for a frame's payload")
+        raise fmt.CorruptObject(_KERNEL_ERRORS.get(rc, f"frame read failed ({rc})"))
+    finally:
+        os.close(fd)
+
+
+_KERNEL_ERRORS = {kernel.ERR_SHORT: "object shorter than its frame table says",
+                  kernel.ERR_PAYLOAD: "frame payload checksum mismatch", kernel.ERR_DECODE: "frame does not decode",
+                  kernel.ERR_RAW: "frame raw checksum mismatch"}
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise fmt.CorruptObject("object shorter than its frame table says")
+    return data
