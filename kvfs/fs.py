@@ -128,6 +128,9 @@ class Operations(pyfuse3.Operations):
         self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
         self.initialized = trio.Event()  # set at the kernel's INIT (daemon: tune the mount after it)
         self.lookups: dict[int, int] = {}
+        # inodes whose attributes the kernel may hold as valid: given out (_attrs) since their last write request
+        # (the kernel invalidates its copy at every write); only those need an invalidation after a commit
+        self.attrs_given: set[int] = set()
         self.open_files: dict[int, OpenFile] = {}
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -153,6 +156,7 @@ class Operations(pyfuse3.Operations):
     def _attrs(self, row) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         ino = row["id"]
+        self.attrs_given.add(ino)
         a.st_ino = ino
         a.generation = 0
         a.entry_timeout = TIMEOUT
@@ -258,6 +262,7 @@ class Operations(pyfuse3.Operations):
                 self.lookups[ino] = left
             else:
                 self.lookups.pop(ino, None)
+                self.attrs_given.discard(ino)  # forgotten by the kernel, attributes included
                 await self._maybe_delete(ino)
 
     async def _maybe_delete(self, ino: int) -> None:
@@ -384,7 +389,8 @@ class Operations(pyfuse3.Operations):
             if e.errno not in SELF_EXPLAINING_ERRNOS:
                 self._commit_failed(state.ino, e)
             raise
-        if committed:
+        if committed and state.ino in self.attrs_given:  # else the kernel holds none: no thread hop
+            self.attrs_given.discard(state.ino)
             await trio.to_thread.run_sync(_invalidate_attrs, state.ino)
 
     def _commit_failed(self, ino: int, e: OSError) -> None:
@@ -481,6 +487,7 @@ class Operations(pyfuse3.Operations):
         if h.state is None:
             raise _err(errno.EBADF)
         n = await h.state.write(off, buf)
+        self.attrs_given.discard(h.ino)  # the kernel drops its attributes of the file at this write's answer
         self.counters.write_requests += 1
         self.counters.bytes_written += n
         self.latency.write.observe(time.perf_counter() - started)

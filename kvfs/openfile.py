@@ -574,18 +574,26 @@ class OpenFile:
                 del reusable[i]
 
         frames: list[fmt.EncodedFrame | None] = [None] * n
+        # one frame left to encode (the usual tail of a file written in order, the others encoded early): it is
+        # encoded in the same worker-thread hop that writes the object (store.put_frames)
+        last = self._only_unencoded(n, size)
         async with trio.open_nursery() as nursery:
             for i in range(n):
                 df = self.dirty.get(i)
                 length = self._frame_len(i, size)
                 if df is not None:
                     frames[i] = df.encoded_as(length)
-                    if frames[i] is None:
+                    if frames[i] is None and i != last:
                         nursery.start_soon(self._encode_into, frames, i, df, length)
                 elif i in reusable and not reusable[i].is_hole:
                     nursery.start_soon(self._copy_into, frames, i, old, reusable[i])
                 else:
                     frames[i] = fmt.EncodedFrame.hole(length)
+        pending = None
+        if last is not None:
+            frames[last] = self.dirty[last].encoded_as(self._frame_len(last, size))  # an early encode may have ended
+            if frames[last] is None:
+                pending = (last, memoryview(self.dirty[last].buf)[:self._frame_len(last, size)])
 
         mtime = self.mtime_ns or time.time_ns()
         if n == 0:
@@ -597,7 +605,10 @@ class OpenFile:
             gen = self.next_gen
             self.next_gen += 1
             new_ref, entries = await self.store.put_frames(self.ino, gen, header, frames, replacing=old,
-                                                           durable=durable)
+                                                           durable=durable, pending=pending,
+                                                           encode=self.policy.encode)
+            if pending is not None:
+                self.counters.frames_encoded += 1
             self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,
                                      stored_bytes=new_ref.stored_bytes, codec=_summary_codec(frames),
                                      transform=transforms.NAMES[header.transform], mtime_ns=mtime,
@@ -607,6 +618,18 @@ class OpenFile:
         self._publish(new_ref, new_layout, size)
         if old is not None:
             await self.store.delete(old)
+
+    def _only_unencoded(self, n: int, size: int) -> int | None:
+        """The one dirty frame with no early encoding of its current content (none running either), if there
+        is exactly one and every other frame is encoded already or needs no encoding."""
+        found = None
+        for i, df in self.dirty.items():
+            if i >= n or df.encoded_as(self._frame_len(i, size)) is not None:
+                continue
+            if found is not None or (df.encoding is not None and df.encoding[0] == df.version):
+                return None
+            found = i
+        return found
 
     def _reusable_entries(self, layout: Layout | None, n: int) -> dict[int, fmt.FrameEntry]:
         if layout is None:

@@ -13,6 +13,7 @@ import collections
 import ctypes
 import dataclasses
 import errno
+import functools
 import os
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
@@ -134,18 +135,36 @@ class Store:
             raise
         return ObjectRef(ino, gen, tier.name, size)
 
-    async def put_frames(self, ino: int, gen: int, header: fmt.Header, frames: list[fmt.EncodedFrame],
-                         replacing: ObjectRef | None, durable: bool) -> tuple[ObjectRef, list[fmt.FrameEntry]]:
-        """Lay out and write a new object from its encoded frames, in one worker-thread hop (the size is known
-        from the frames, so the tier is chosen first). Returns the object and its frame table."""
-        size = header.data_offset + sum(len(f.payload) for f in frames)
-        tier = await self.place(size, replacing, durable)
+    async def put_frames(self, ino: int, gen: int, header: fmt.Header, frames: list, replacing: ObjectRef | None,
+                         durable: bool, pending: tuple[int, memoryview] | None = None,
+                         encode: Callable | None = None) -> tuple[ObjectRef, list[fmt.FrameEntry]]:
+        """Lay out and write a new object from its encoded frames, in one worker-thread hop. `pending`
+        (index, raw bytes) is a frame still to encode with `encode(raw, offset)`: in a memory tier it is encoded
+        in that same hop, under the codec limiter (a memory tier writes at memory speed), else first, in its
+        own. The tier is chosen first, for the size the frames can reach (an encoded frame is never larger than
+        its raw bytes); the difference is given back once the object is written. Returns the object and its
+        frame table."""
+        known = header.data_offset + sum(len(f.payload) for f in frames if f is not None)
+        bound = known + (len(pending[1]) if pending is not None else 0)
+        tier = await self.place(bound, replacing, durable)
         oid = object_id(ino, gen)
+        charged = bound
         try:
-            entries = await self.io(tier.name, _build_and_put, tier, oid, header, frames, durable or tier.persistent,
-                                    size, size=size)
+            job = functools.partial(_encode_build_put, tier, oid, header, frames, durable or tier.persistent,
+                                    pending, encode, header.frame_size)
+            if pending is not None and not tier.persistent:
+                entries, size = await self.cpu(job)
+            else:
+                if pending is not None:
+                    i, raw = pending
+                    frames[i] = await self.cpu(encode, raw, i * header.frame_size)
+                    job = functools.partial(_encode_build_put, tier, oid, header, frames, durable or tier.persistent,
+                                            None, None, header.frame_size)
+                entries, size = await self.io(tier.name, job, size=bound)
+            tier.used_bytes -= bound - size  # what the charge counted beyond the object's size
+            charged = size
         except BaseException:
-            self.release(tier.name, size)
+            self.release(tier.name, charged)
             with trio.CancelScope(shield=True):
                 await self.io(tier.name, tier.delete, oid)
             raise
@@ -260,13 +279,20 @@ def _copy_reading_table(dest: Tier, source: Tier, ref: ObjectRef, new_id: str) -
         return size, None
 
 
-def _build_and_put(tier: Tier, oid: str, header: fmt.Header, frames: list[fmt.EncodedFrame], durable: bool,
-                   size: int) -> list[fmt.FrameEntry]:
+def _encode_build_put(tier: Tier, oid: str, header: fmt.Header, frames: list, durable: bool,
+                      pending: tuple[int, memoryview] | None, encode: Callable | None,
+                      frame_size: int) -> tuple[list[fmt.FrameEntry], int]:
+    """(In a worker thread) encode the pending frame, if any, lay out the object and write it. Returns its frame
+    table and size."""
+    if pending is not None:
+        i, raw = pending
+        frames[i] = encode(raw, i * frame_size)
     parts, entries = fmt.build_object(header, frames)
+    size = sum(len(p) for p in parts)
     written = tier.put(oid, parts, durable)
     if written is not None and written != size:  # a tier that reports its size must have written it all
         raise OSError(errno.EIO, f"object {oid}: {written} bytes written, {size} laid out")
-    return entries
+    return entries, size
 
 
 def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes | memoryview:

@@ -519,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = res[arm.name]
                     if "mb_s" in r:
                         print(f"round {rnd}: {arm.name:<15} {r['mb_s']:7.0f} MB/s  daemon "
-                              f"{_f(r['daemon_cpu_s_per_gb'], '.2f')} CPU-s/GB  req {_f(r.get('request_kib'), '.0f')} KiB",
+                              f"{_f(r['daemon_cpu_s_per_gb'], '.2f')} CPU-s/GB  "
+                              f"req {_f(r.get('request_kib'), '.0f')} KiB",
                               flush=True)
             finally:
                 run.stop()
