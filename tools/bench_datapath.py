@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # kvfs from this checkout, not the installed one
 from bench_harness import GB, MB, REPO, BenchFailure, Mount, drop_caches, proc_cpu_s  # noqa: E402
 
 DATA = REPO / "tests" / "data" / "kv"
@@ -258,7 +259,8 @@ class Run:
         for p, share in enumerate(shares):
             spec = {"sources": [str(s) for s in srcs], "files": share, "op": arm.op, "method": arm.method,
                     "ready": str(gate / f"ready-{p}"), "go": str(go), "result": str(gate / f"result-{p}.json")}
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)]))
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                          env={**os.environ, "PYTHONPATH": str(REPO)}))
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         while not all((gate / f"ready-{p}").exists() for p in range(len(shares))):
             if any(pr.poll() not in (None, 0) for pr in procs) or time.monotonic() > deadline:
