@@ -37,6 +37,7 @@ from . import codecs
 from . import format as fmt
 from . import lossy as lossy_modes
 from .codecs import transforms
+from .direct import read_head
 from .index import object_id
 from .staging import AdoptRequest, Offer, crash_point
 from .store import ObjectRef, Layout
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROBE = 64 << 10  # first read: the header and a frame table of ~1800 frames
 READ_PIECE = 4 << 20  # copies of a staged object into a slower tier
 SWEEP_INTERVAL_S = 60.0
 RESERVE_BATCH = 32
@@ -109,15 +109,9 @@ def verify_and_place(fd: int, size: int, frame_size: int, decode: bool,
 
 
 def _verify_object(fd: int, size: int, frame_size: int, decode: bool) -> Verified:
-    head = os.pread(fd, PROBE, 0)
-    header = fmt.parse_header(head)
-    if header.data_offset > len(head):
-        head = os.pread(fd, header.data_offset, 0)
-    if len(head) < header.data_offset:
-        raise fmt.CorruptObject("shorter than its frame table")
+    header, _, entries = read_head(fd, size)
     if header.frame_size != frame_size:
         raise fmt.CorruptObject(f"frame size {header.frame_size}, the mount's is {frame_size}")
-    entries = fmt.parse_table(header, memoryview(head)[header.size:], size)
     _check_layout(header, entries, size)
     _check_payloads(fd, size, entries, decode)
     return Verified(header, entries, size)

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import format as fmt
 from .codecs import kernel
-from .direct_write import write_file  # noqa: F401  (writes past FUSE, the mirror of these reads)
+from .direct_write import write_file, write_through_mount  # noqa: F401  (writes: the mirror of these reads)
 
 XA_OBJECT = "user.kvfs.object"
 VALUE_MAX = 4096
@@ -122,16 +122,22 @@ def _buffer(size: int, into: bytearray | None) -> bytearray | memoryview:
 
 def _layout(fd: int, loc: Location) -> tuple[fmt.Header, memoryview, list[fmt.FrameEntry]]:
     """The object's header, its frame table as stored (for the kernel) and parsed (both verified)."""
+    header, table, entries = read_head(fd, loc.stored_bytes)
+    if header.raw_size != loc.size:
+        raise Unavailable(f"object holds {header.raw_size} bytes, the file has {loc.size}")
+    return header, table, entries
+
+
+def read_head(fd: int, object_size: int) -> tuple[fmt.Header, memoryview, list[fmt.FrameEntry]]:
+    """An open object's header, its frame table as stored and parsed, both verified (CorruptObject)."""
     head = os.pread(fd, PROBE, 0)
     header = fmt.parse_header(head)
     if header.data_offset > len(head):
         head = os.pread(fd, header.data_offset, 0)
     if len(head) < header.data_offset:
         raise fmt.CorruptObject("object shorter than its frame table")
-    if header.raw_size != loc.size:
-        raise Unavailable(f"object holds {header.raw_size} bytes, the file has {loc.size}")
     table = memoryview(head)[header.size:header.size + header.n_frames * fmt.FRAME_ENTRY.size]
-    return header, table, fmt.parse_table(header, memoryview(head)[header.size:], loc.stored_bytes)
+    return header, table, fmt.parse_table(header, memoryview(head)[header.size:], object_size)
 
 
 def _decode_range(fd: int, header: fmt.Header, table: memoryview, frames: list[fmt.FrameEntry], start: int,

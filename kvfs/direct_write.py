@@ -183,7 +183,7 @@ def _frames(parts: Sequence[memoryview], frame_size: int) -> Iterator[memoryview
 
 
 def _write_all(fd: int, parts: list[bytes]) -> None:
-    views = [memoryview(p) for p in parts if len(p)]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
         n = os.writev(fd, views[:IOV_MAX])
         while n and views:
@@ -211,7 +211,7 @@ def write_through_mount(path: str, parts: Iterable[Buffer], xattrs: Mapping[str,
             except OSError as e:  # a plain directory (no user xattrs, or no kvfs): the data is what matters
                 if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
                     raise
-        _write_all(fd, [p for p in parts])
+        _write_all(fd, list(parts))
         os.close(fd)
         fd = -1
         os.rename(tmp, path)
