@@ -15,7 +15,10 @@
  * Byte-level format: docs/format.md ("codec 4", version 3).
  *
  * Safety: kv3_decode checks every size before it reads or writes; huff0's decoder is bounds-checked (it is
- * zstd's, fuzzed as part of zstd). Any inconsistency returns a negative code.
+ * zstd's, fuzzed as part of zstd). Any inconsistency returns a negative code, and so does a field that differs
+ * from what kv3_encode writes where the decoder can tell cheaply (the header, n_cls = the classes the blocks
+ * use, each piece's mode and size, the slack in huff0's table descriptions): a payload changed there is
+ * refused, not decoded to the original bytes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -71,6 +74,43 @@ static int64_t put_section(const uint8_t *s, size_t m, uint8_t *out, size_t cap)
     return (int64_t)off;
 }
 
+/* Whether a piece of 2 or more bytes is one byte repeated (put_section stores that as RLE, never raw). Raw
+ * pieces are incompressible data: this stops at the first byte that differs, in practice the second. */
+static int all_equal(const uint8_t *p, size_t len) {
+    if (len < 2) return 0;
+    for (size_t i = 1; i < len; i++)
+        if (p[i] != p[0]) return 0;
+    return 1;
+}
+
+/* Whether the table description at the start of a Huffman piece is written as huff0's encoder writes it, as far
+ * as that is cheap to tell: its weights' FSE header (normalized counts) as FSE_writeNCount writes those counts,
+ * the unused bits of its last byte included; or, with the weights stored as 4-bit values, the unused half of
+ * the last byte 0. huff0's decoder ignores both, so a change there would decode to the same bytes. A count of
+ * -1 ("less than 1") is refused too: huff0 never writes one for weights, and a 1 turned into -1 often decodes
+ * the same weights. (Whether the encoder would have chosen those counts, or those weights, or wrote the FSE
+ * stream of the weights as it is, is not checked: that is coding them again, 6-10% of the decode time.) */
+static int huf_table_canonical(const uint8_t *src, size_t c) {
+    const size_t i_size = src[0];
+    if (i_size >= 128) {  /* i_size - 127 weights, two per byte */
+        const size_t weights = i_size - 127;
+        return weights % 2 == 0 || (weights / 2 + 1 < c && (src[1 + weights / 2] & 15) == 0);
+    }
+    short norm[HUF_TABLELOG_MAX + 1];
+    unsigned max_weight = HUF_TABLELOG_MAX, log;
+    const size_t h = FSE_readNCount(norm, &max_weight, &log, src + 1, i_size < c - 1 ? i_size : c - 1);
+    if (FSE_isError(h)) return 0;
+    for (unsigned v = 0; v <= max_weight; v++)
+        if (norm[v] < 0) return 0;  /* "less than 1": huff0 normalizes weights without (useLowProbCount 0) */
+    uint8_t again[64];
+    const size_t w = FSE_writeNCount(again, sizeof again, norm, max_weight, log);
+    return !FSE_isError(w) && w == h && memcmp(again, src + 1, h) == 0;
+}
+
+/* A section as put_section writes it, and only so: each piece's mode is the one huff0 gives its bytes as far
+ * as that can be told without coding them again (a piece of 2 or more bytes that is one byte repeated is
+ * RLE, a single byte is raw, a Huffman piece is at least 2 bytes shorter than its input), so that a changed
+ * piece header is refused rather than decoded to the same bytes. */
 static int64_t get_section(const uint8_t *src, size_t src_len, uint8_t *s, size_t m) {
     size_t off = 0;
     for (size_t i = 0; i < m; i += PIECE) {
@@ -81,16 +121,18 @@ static int64_t get_section(const uint8_t *src, size_t src_len, uint8_t *s, size_
         off += 4;
         if (c > src_len - off) return ERR_FORMAT;
         if (mode == MODE_RAW) {
-            if (c != len) return ERR_FORMAT;
+            if (c != len || all_equal(src + off, len)) return ERR_FORMAT;
             memcpy(s + i, src + off, len);
         } else if (mode == MODE_RLE) {
-            if (c != 1) return ERR_FORMAT;
+            if (c != 1 || len < 2) return ERR_FORMAT;
             memset(s + i, src[off], len);
         } else if (mode == MODE_HUF) {
+            if (c + 2 > len) return ERR_FORMAT;
             huf_dtable[0] = (HUF_DTable)HUF_TABLELOG_MAX * 0x01000001;  /* HUF_CREATE_STATIC_DTABLEX2 */
             size_t r = HUF_decompress4X_hufOnly_wksp(huf_dtable, s + i, len, src + off, c, huf_wksp,
                                                      sizeof huf_wksp, huf_flags());
             if (HUF_isError(r) || r != len) return ERR_STREAM;
+            if (!huf_table_canonical(src + off, c)) return ERR_FORMAT;
         } else {
             return ERR_FORMAT;
         }
@@ -491,7 +533,10 @@ int kv3_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes)
         if (c >= n_cls) return ERR_FORMAT;
         start[c + 1] += t + 1 < nb ? BLOCK : n - t * BLOCK;
     }
-    for (unsigned k = 0; k < n_cls; k++) start[k + 1] += start[k];
+    for (unsigned k = 0; k < n_cls; k++) {  /* every class holds a block: the encoder's n_cls, no more */
+        if (start[k + 1] == 0) return ERR_FORMAT;
+        start[k + 1] += start[k];
+    }
     for (unsigned k = 0; k < n_cls; k++) {
         r = get_section(src + off, src_len - off, by_class + start[k], start[k + 1] - start[k]);
         if (r < 0) return (int)r;
