@@ -575,7 +575,12 @@ class OpenFile:
 
         frames: list[fmt.EncodedFrame | None] = [None] * n
         # one frame left to encode (the usual tail of a file written in order, the others encoded early): it is
-        # encoded in the same worker-thread hop that writes the object (store.put_frames)
+        # encoded in the same worker-thread hop that writes the object (store.put_frames). Early encodes still
+        # running are awaited first (the object needs them anyway; under the lock no write changes a frame):
+        # measured, this beats encoding the tail beside them and writing the object in a hop of its own
+        for df in list(self.dirty.values()):
+            if df.encoding is not None and df.encoding[0] == df.version:
+                await df.encoding[1].wait()
         last = self._only_unencoded(n, size)
         async with trio.open_nursery() as nursery:
             for i in range(n):
