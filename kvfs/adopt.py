@@ -39,6 +39,7 @@ from . import lossy as lossy_modes
 from .codecs import transforms
 from .direct import read_head
 from .index import object_id
+from .openfile import summary_codec
 from .staging import AdoptRequest, Offer, crash_point
 from .store import ObjectRef, Layout
 from .tiers import DirectoryTier, Tier
@@ -69,10 +70,6 @@ class Verified:
     entries: list[fmt.FrameEntry]
     stored_bytes: int
 
-    @property
-    def codec_summary(self) -> str:
-        names = sorted({codecs.by_id(e.codec).name for e in self.entries if not e.is_hole})
-        return "+".join(names) if names else "none"
 
 
 def open_staged(path: Path, uid: int) -> tuple[int, int]:
@@ -249,7 +246,7 @@ class Adopter:
                 ops.index.adopt_object(ino, parent, req.name, replaced, mode=mode, uid=ctx.uid, gid=gid,
                                        tier=placed.name,
                                        size=verified.header.raw_size, stored_bytes=size,
-                                       codec=verified.codec_summary,
+                                       codec=summary_codec(verified.entries),
                                        transform=transforms.NAMES[verified.header.transform], xattrs=xattrs)
             except BaseException:
                 with trio.CancelScope(shield=True):

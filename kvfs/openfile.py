@@ -615,7 +615,7 @@ class OpenFile:
             if pending is not None:
                 self.counters.frames_encoded += 1
             self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,
-                                     stored_bytes=new_ref.stored_bytes, codec=_summary_codec(frames),
+                                     stored_bytes=new_ref.stored_bytes, codec=summary_codec(frames),
                                      transform=transforms.NAMES[header.transform], mtime_ns=mtime,
                                      ctime_ns=self.ctime_ns)
             new_layout = Layout(header, entries)
@@ -677,7 +677,8 @@ def _payload_intact(entry: fmt.FrameEntry, payload: bytes) -> bool:
     return len(payload) == entry.stored_len and fmt.xxh3(payload) == entry.stored_xxh3
 
 
-def _summary_codec(frames) -> str:
+def summary_codec(frames) -> str:
+    """The codecs of a file's frames (encoded frames or table entries), as user.kvfs.codec shows them."""
     names = sorted({codecs.by_id(f.codec).name for f in frames if not f.is_hole})
     return "+".join(names) if names else "none"
 
