@@ -452,11 +452,13 @@ def test_mounts_share_one_prefix(make_mount, ceph):
                 os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     from kvfs_connector import files as chunk_files
     real_exists = chunk_files.exists
-    answers = [False, False]  # the race: published by A after B's check (through the mount, then direct)
+    answers = []  # the race: published by A after B's first check (through the mount, then direct)
     chunk_files.exists = lambda path: answers.pop() if answers else real_exists(path)
     try:
-        assert chunk_files.write_atomic(str(b.path(published[2])), [b"other bytes"], {}) is None
-        assert chunk_files.write_atomic(str(b.path(published[2])), [b"other bytes"], {}, True) is None
+        for direct_writes in (False, True):
+            answers[:] = [False]
+            assert chunk_files.write_atomic(str(b.path(published[2])), [b"other bytes"], {}, direct_writes) is None
+            assert not answers
     finally:
         chunk_files.exists = real_exists
     assert b.path(published[2]).read_bytes() == files[published[2]]
