@@ -29,10 +29,11 @@ from . import stats as stats_mod
 from .codecs import by_name
 from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, HotCold, RequestError
-from .index import FIRST_USER_INODE, ROOT_INODE, Index
+from .index import FIRST_USER_INODE, ROOT_INODE, Index, object_id
 from .locks import InodeLocks
 from .mover import Mover
 from .openfile import DirtyBudget, EncodingPolicy, FileCorrupt, OpenFile, PublishedGone
+from .pagecache import PageKeeper, forget_pages
 from .ratelimit import Throttle
 from .store import ObjectRef, Store
 
@@ -143,6 +144,8 @@ class Operations(pyfuse3.Operations):
         self.hotcold = HotCold(index, store, mover, counters, self.drop_file)  # pin, tier, prefetch, drop, idle
         self.latency = metrics.RequestLatency()  # read/write durations, exported with --metrics-port
         self.fsck = LiveFsck(self)  # fsck jobs started through setxattr on .kvfs
+        self.pages = PageKeeper(config.mountpoint, index, config.frame_size, store.order[0].name)  # written pages stay cached
+        mover.drop_pages = forget_pages  # until the file is demoted
         self.adopter = Adopter(self)  # direct writes: objects encoded by their writers (kvfs/adopt.py)
 
     def init(self) -> None:
@@ -297,6 +300,7 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if inode in VIRTUAL_INODES:
             raise _err(errno.EPERM)
+        await self.pages.settled(inode)
         row = self._row(inode)
         if fields.update_size:
             if stat.S_ISDIR(row["mode"]):
@@ -421,6 +425,7 @@ class Operations(pyfuse3.Operations):
             snapshot = self.render_stats() if inode == STATS_INODE else self.fsck.render()
             fh = self._new_handle(Handle(inode, None, flags, snapshot))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        await self.pages.settled(inode)
         row = self._row(inode)
         if stat.S_ISDIR(row["mode"]):
             raise _err(errno.EISDIR)
@@ -435,7 +440,15 @@ class Operations(pyfuse3.Operations):
         except BaseException:
             await self._release_state(state)
             raise
-        return pyfuse3.FileInfo(fh=self._new_handle(Handle(inode, state, flags)))
+        return pyfuse3.FileInfo(fh=self._new_handle(Handle(inode, state, flags)), keep_cache=self._may_keep(inode, row))
+
+    def _may_keep(self, inode: int, row) -> bool:
+        """Whether the kernel may keep serving the file's cached pages at this open. Not for a file whose object
+        lies only in a shared L4: another node may have unlinked it there, and the first read must find out
+        (a miss, not the bytes this node once cached)."""
+        if self.shared is None or not row["published_key"] or not row["obj_tier"]:
+            return True
+        return self.store.tiers[row["obj_tier"]].local_path(object_id(inode, row["obj_gen"])) is not None
 
     @_guard
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -497,7 +510,10 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh):
         h = self._handle(fh)
         if h.state is not None and (h.state.modified or h.state.corrupt):  # else nothing to commit
+            written = self.pages.snapshot(h.state, h.flags)
             await self._commit(h.state, durable=False)
+            if written is not None:
+                await self.pages.keep(h.state, written)
 
     @_guard
     async def fsync(self, fh, datasync):

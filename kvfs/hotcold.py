@@ -164,6 +164,7 @@ class HotCold:
             self.index.note_use(ino)  # brought up to be used: not the first file a drain picks
         if await self.mover.move(ino, dest, wait=True):
             self.counters.requested_moves += 1
+            await self.mover.pages_forgotten(ino)  # demoted: its next read reaches kvfs, as asked
             return True
         row = self.index.get(ino)
         if row is None or not row["obj_gen"] or row["obj_tier"] == dest_name:

@@ -71,6 +71,8 @@ class Mover:
         self.watermarks = {t.name: (t.high_watermark, t.low_watermark) for t in tiers}
         self.idle_s = idle_s  # the mount's default idle period (I8); 0 = off
         self._idle_swept = 0.0
+        self.drop_pages: Callable[[int], None] | None = None  # forgets an inode's pages in the kernel (fs.py)
+        self._dropping_pages: dict[int, trio.Event] = {}  # inode -> set once its pages are dropped
         self._move_log: dict[str, _MovesOut] = {}  # tier → moves out not logged yet (see _flush_move_log)
         self._move_logged: dict[str, float] = {}
         self._room = {t.name: trio.Lock() for t in self.order}  # one agent frees room in a tier at a time
@@ -314,6 +316,7 @@ class Mover:
         if state is not None:
             state.relocated(new_ref)
         self._count_move(ref, dest)
+        self._forget_pages(ref, dest)
         await self._delete_source(ref)
         return True
 
@@ -359,6 +362,7 @@ class Mover:
         if state is not None:
             state.relocated(new_ref)
         self._count_move(ref, dest)
+        self._forget_pages(ref, dest)
         await self.store.delete(ref)
         return True
 
@@ -450,6 +454,33 @@ class Mover:
         if self._failure_log.due():
             log.warning("moving inode %d from %s to %s failed: %s (%d failed moves so far)", ino, ref.tier,
                         dest.name, e, self.counters.move_failures)
+
+    def _forget_pages(self, ref: ObjectRef, dest: Tier) -> None:
+        """A demoted file leaves the kernel's page cache too (kvfs/pagecache.py keeps what writers wrote
+        there): kvfs judged it cold, so its next read reaches the daemon, which counts it (promotion, the
+        hot/cold API). In the background, never awaited under the file's lock: the kernel waits for the
+        file's reads in flight, and a read may be waiting for that lock (a deadlock, seen in
+        tests/test_fsck.py). Until it is done a read may still be served from the cached pages: the same
+        bytes. `pages_forgotten` waits for it."""
+        source = self.store.tiers[ref.tier]
+        if self.drop_pages is None or self._background is None or self.order.index(dest) <= self.order.index(source):
+            return
+        done = self._dropping_pages[ref.ino] = trio.Event()
+        self._background.start_soon(self._drop_pages, ref.ino, done)
+
+    async def _drop_pages(self, ino: int, done: trio.Event) -> None:
+        try:
+            await trio.to_thread.run_sync(self.drop_pages, ino, abandon_on_cancel=True)
+        finally:
+            done.set()
+            if self._dropping_pages.get(ino) is done:
+                del self._dropping_pages[ino]
+
+    async def pages_forgotten(self, ino: int) -> None:
+        """Wait until the kernel has dropped the pages of a file just demoted. Not under the file's lock."""
+        done = self._dropping_pages.get(ino)
+        if done is not None:
+            await done.wait()
 
     def _count_move(self, ref: ObjectRef, dest: Tier) -> None:
         self._last_move_at = time.time()

@@ -178,6 +178,17 @@ def kvfs(make_mount) -> KvfsMount:
     return make_mount().start()
 
 
+def drop_page_cache(path) -> None:
+    """Make the kernel forget the cached pages of a file in a mount: the next read reaches the daemon. A file
+    written through the mount stays in the page cache after its close (kvfs/pagecache.py), as on any
+    filesystem, so damage done to its object under a live mount shows only then."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def kv_samples(dtype: str) -> list[Path]:
     files = sorted(KV_DATA.glob(f"{dtype}-*.kv"))
     if not files:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import KvfsMount
+from conftest import KvfsMount, drop_page_cache
 from kvfs import format as fmt
 
 
@@ -169,6 +169,8 @@ def test_corruption_anywhere_is_eio_and_a_miss(make_mount, where):
     victim.write_bytes(bytes(raw))
     if where != "truncated":
         m.start()
+    else:
+        drop_page_cache(m.path("victim.kv"))  # what the writer wrote is still in the page cache
     with pytest.raises(OSError) as e:
         with open(m.path("victim.kv"), "rb") as fh:
             while fh.read(1 << 20):
@@ -252,6 +254,7 @@ def test_concurrent_readers_of_a_corrupt_file_all_see_eio_then_a_miss(make_mount
     raw = bytearray(victim.read_bytes())
     raw[-5] ^= 0xFF  # damage the last frame
     victim.write_bytes(bytes(raw))
+    drop_page_cache(m.path("victim.kv"))  # what the writer wrote is still in the page cache
     outcomes = []
 
     def reader():

@@ -16,7 +16,7 @@ import pytest
 
 from kvfs import direct
 
-from conftest import KvfsMount, kv_samples
+from conftest import KvfsMount, drop_page_cache, kv_samples
 
 
 def _write(path, data: bytes, dtype: str | None = None) -> None:
@@ -62,6 +62,7 @@ def test_corrupt_object_is_never_served(make_mount):
     raw = bytearray(obj.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     obj.write_bytes(raw)
+    drop_page_cache(m.path("a.kv"))  # what the writer wrote is still in the page cache
     loc = direct.locate(m.path("a.kv"))
     with pytest.raises(Exception) as e:
         direct.read_object(loc)

@@ -358,6 +358,8 @@ def main() -> int:
                 m = Mount(work, arm, *extra, l2_size="1M" if arm in ("kvfs-L3", "kvfs-L4") else MEMORY_BUDGET)
                 try:
                     copy_chunks(snapshot, m.mountpoint)
+                    for f in m.mountpoint.rglob("*.kv"):  # what the copy wrote stays in the page cache
+                        fadvise_dontneed(f)               # (kvfs/pagecache.py): read from the tiers instead
                     st = m.stats()
                     if arm == "kvfs-L4":
                         assert st["tiers"]["L2"]["files"] == st["tiers"]["L3"]["files"] == 0, st["tiers"]

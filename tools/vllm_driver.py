@@ -12,6 +12,9 @@ stdin or in a file:
 
 dtype null means engine_dtype(): bfloat16 where the CPU computes it natively, float32 elsewhere.
 
+A round may name a "wait_file" (the round starts once that file exists) and a "done_file" (touched when the
+round is over): another process paces the engine round by round (tools/bench_lmcache_l2.py).
+
 A prompt may also be {"extend": [round, index], "extra": [token ids]}: the prompt of that earlier request,
 then its generated tokens, then `extra` — the next turn of a conversation. Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
 previous one finished; with "atomic_groups" the scheduler is paused while a group is added, so that its
@@ -87,6 +90,8 @@ def run(job: dict) -> dict:
         extra = {}
         if rnd.get("prompt_logprobs") is not None:  # connector hits stay on: only computed tokens get logprobs
             extra = dict(prompt_logprobs=rnd["prompt_logprobs"], skip_reading_prefix_cache=False, detokenize=False)
+        while rnd.get("wait_file") and not Path(rnd["wait_file"]).exists():
+            time.sleep(0.02)
         params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), ignore_eos=True, **extra)
         prompts = [_resolve(p, job["rounds"], results) for p in rnd["prompts"]]
         out: list[dict] = [None] * len(prompts)  # type: ignore[list-item]
@@ -119,6 +124,8 @@ def run(job: dict) -> dict:
                         if extra:
                             out[i]["prompt_logprobs"] = _prompt_logprobs(o.prompt_logprobs, prompts[i])
         results.append(out)
+        if rnd.get("done_file"):
+            Path(rnd["done_file"]).touch()
     t1 = time.perf_counter()
     del engine
     return {"rounds": results, "engine_start_s": started, "shutdown_s": time.perf_counter() - t1}
