@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -109,18 +110,25 @@ def encode_object(parts: Sequence[memoryview], offer: Offer, attrs: Mapping[str,
     """The object of a file holding `parts`, encoded as the daemon would for a new file in the offer's
     directory: [header + frame table, payload, …]."""
     policy = _policy(offer, attrs)
-    size = sum(len(p) for p in parts)
-    F = offer.frame_size
-    jobs = ((frame, i * F) for i, frame in enumerate(_frames(parts, F)))
+    frames = list(_encoded_frames(parts, policy, offer.frame_size, threads))
+    out, _ = fmt.build_object(policy.header(sum(len(p) for p in parts), offer.frame_size), frames)
+    return out
+
+
+def _encoded_frames(parts: Sequence[memoryview], policy: EncodingPolicy, frame_size: int,
+                    threads: int) -> Iterator[fmt.EncodedFrame]:
+    """The frames encoded, in order; the first alone (it chooses the codec), the others by `threads`."""
+    jobs = ((frame, i * frame_size) for i, frame in enumerate(_frames(parts, frame_size)))
+    first = next(jobs, None)
+    if first is None:
+        return
+    yield policy.encode(*first)
     if threads > 1:
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvfs-encode") as pool:
-            first = next(jobs, None)  # the first frame chooses the codec: encode it alone
-            frames = [policy.encode(*first)] if first else []
-            frames += list(pool.map(lambda job: policy.encode(*job), jobs))
+            yield from pool.map(lambda job: policy.encode(*job), jobs)
     else:
-        frames = [policy.encode(frame, offset) for frame, offset in jobs]
-    out, _ = fmt.build_object(policy.header(size, F), frames)
-    return out
+        for job in jobs:
+            yield policy.encode(*job)
 
 
 def _policy(offer: Offer, attrs: Mapping[str, bytes]) -> EncodingPolicy:
@@ -137,8 +145,8 @@ def _stage(offer: Offer, parts: Sequence[memoryview], attrs: Mapping[str, bytes]
     if not os.access(offer.staging, os.W_OK | os.X_OK):
         return None  # another user than the daemon's: asked before encoding, which would be wasted
     try:
-        encoded = encode_object(parts, offer, attrs, threads)
-    except (KeyError, ValueError, codecs.CodecError):
+        policy = _policy(offer, attrs)
+    except (KeyError, ValueError):
         return None  # e.g. codec qat without the library here: the daemon encodes it
     staged = os.path.join(offer.staging, staged_name())
     try:
@@ -148,17 +156,69 @@ def _stage(offer: Offer, parts: Sequence[memoryview], attrs: Mapping[str, bytes]
             return None
         raise
     try:
-        _write_all(fd, encoded[:1])  # the header and frame table
-        crash_point("writer-writing")
-        _write_all(fd, encoded[1:])
+        _encode_into(fd, parts, policy, offer.frame_size, threads)
     except BaseException as e:
         os.close(fd)
         _unlink_quietly(staged)
-        if isinstance(e, OSError) and e.errno in _NO_RIGHTS:
+        if isinstance(e, (codecs.CodecError, KeyError, ValueError)) or isinstance(e, OSError) and e.errno in _NO_RIGHTS:
             return None
         raise
     os.close(fd)
     return staged
+
+
+def _encode_into(fd: int, parts: Sequence[memoryview], policy: EncodingPolicy, frame_size: int,
+                 threads: int) -> None:
+    """Encode the object into fd, the payloads written by this thread's stage writer while the next frames
+    are encoded (the codec and pwrite both run without the GIL), the header and frame table last."""
+    size = sum(len(p) for p in parts)
+    writer = _stage_writer()
+    pending: list[concurrent.futures.Future] = []
+    frames: list[fmt.EncodedFrame] = []
+    data_offset = offset = 0
+    try:
+        for frame in _encoded_frames(parts, policy, frame_size, threads):
+            if not frames:  # the first frame chose the codec: the header's size is known from here on
+                data_offset = offset = policy.header(size, frame_size).data_offset
+            frames.append(frame)
+            if frame.payload:
+                pending.append(writer.submit(_pwrite_all, fd, frame.payload, offset))
+                offset += len(frame.payload)
+    finally:
+        done, _ = concurrent.futures.wait(pending)  # no write may outlive the descriptor
+    for future in done:
+        future.result()
+    header = policy.header(size, frame_size)
+    if header.data_offset != data_offset:
+        raise AssertionError("the header's size changed while encoding")
+    head, _ = fmt.build_object(header, frames)
+    crash_point("writer-writing")  # payloads written, the header not yet
+    _pwrite_all(fd, head[0], 0)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+_writers = threading.local()  # each writing thread has its own stage writer: threads do not queue on one
+
+
+def _stage_writer() -> concurrent.futures.ThreadPoolExecutor:
+    writer = getattr(_writers, "pool", None)
+    if writer is None:
+        writer = _writers.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-stage")
+    return writer
+
+
+def _forget_writers() -> None:
+    global _writers
+    _writers = threading.local()  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_writers)
 
 
 def _frames(parts: Sequence[memoryview], frame_size: int) -> Iterator[memoryview]:

@@ -4,7 +4,8 @@ and writes past FUSE, and a plain tmpfs directory as the reference, all arms in 
 
 Data: real KV blocks (tests/data/kv/*.kv, or --data DIR), replicated to --mb MB per arm; every copy gets a small
 deterministic perturbation (the lowest mantissa bit of one element in 4099 flipped, at a per-file phase), so no two
-files are equal and the compression ratio stays that of the real data.
+files are equal and the compression ratio stays that of the real data. --samples-per-file N makes each file N copies
+of one block (each perturbed): larger files, as a larger model's chunks are.
 
 Each arm runs as separate worker processes (this script with --worker) that import what they need and build their
 data first, then start together on a barrier (a file appearing); an arm's time runs from the barrier to the end of
@@ -75,12 +76,16 @@ def sources(data_dir: Path) -> list[Path]:
     return paths
 
 
-def make_file(srcs: list[bytes], k: int) -> bytes:
-    """File k of the data set: source k mod n, with one low mantissa bit in PERTURB_STEP flipped at a per-file phase."""
+def make_file(srcs: list[bytes], k: int, per: int = 1) -> bytes:
+    """File k of the data set: source k mod n, `per` times over (one dtype per file, as an engine writes), each
+    copy with one low mantissa bit in PERTURB_STEP flipped at its own phase."""
     import numpy as np
-    arr = np.frombuffer(srcs[k % len(srcs)], dtype=np.uint16).copy()
-    arr[(k * 7919) % PERTURB_STEP::PERTURB_STEP] ^= 1
-    return arr.tobytes()
+    pieces = []
+    for j in range(k * per, (k + 1) * per):
+        arr = np.frombuffer(srcs[k % len(srcs)], dtype=np.uint16).copy()
+        arr[(j * 7919) % PERTURB_STEP::PERTURB_STEP] ^= 1
+        pieces.append(arr.tobytes())
+    return b"".join(pieces)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,7 +93,7 @@ def make_file(srcs: list[bytes], k: int) -> bytes:
 # ---------------------------------------------------------------------------------------------------
 def worker(spec: dict) -> None:
     srcs = [Path(p).read_bytes() for p in spec["sources"]]
-    files = [(Path(path), make_file(srcs, k)) for path, k in spec["files"]]
+    files = [(Path(path), make_file(srcs, k, spec["per_file"])) for path, k in spec["files"]]
     op, method = spec["op"], spec["method"]
     direct = None
     if method == "direct":
@@ -258,6 +263,7 @@ class Run:
         procs = []
         for p, share in enumerate(shares):
             spec = {"sources": [str(s) for s in srcs], "files": share, "op": arm.op, "method": arm.method,
+                    "per_file": self.args.samples_per_file,
                     "ready": str(gate / f"ready-{p}"), "go": str(go), "result": str(gate / f"result-{p}.json")}
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
                                           env={**os.environ, "PYTHONPATH": str(REPO)}))
@@ -311,7 +317,7 @@ class Run:
         import kvfs.direct as direct
         raw = [p.read_bytes() for p in srcs]
         for path, k in self.file_sets[arm.name]:
-            data = make_file(raw, k)
+            data = make_file(raw, k, self.args.samples_per_file)
             got, _ = direct.read_file(path, expected_size=len(data))
             if got != data:
                 raise BenchFailure(f"{arm.name}: {path} reads back WRONG BYTES")
@@ -340,13 +346,13 @@ def _has_direct_write() -> bool:
 # ---------------------------------------------------------------------------------------------------
 # the codec reference, in this process
 # ---------------------------------------------------------------------------------------------------
-def codec_reference(srcs: list[Path], n_files: int, frame_size: int) -> dict:
+def codec_reference(srcs: list[Path], n_files: int, frame_size: int, per: int = 1) -> dict:
     """One thread encodes files with kvfs's default policy (a fresh EncodingPolicy per file, as the daemon does),
     frame after frame, and lays out the object. Thread CPU time and wall time."""
     from kvfs import format as fmt
     from kvfs.openfile import EncodingPolicy
     raw = [p.read_bytes() for p in srcs]
-    files = [make_file(raw, 1_000_000 + k) for k in range(n_files)]
+    files = [make_file(raw, 1_000_000 + k, per) for k in range(n_files)]
     total = stored = 0
     t0, c0 = time.perf_counter(), time.thread_time()
     for data in files:
@@ -475,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, default=DATA, help="directory of .kv files (default tests/data/kv)")
     p.add_argument("--mb", type=int, default=300, help="MB per arm (default 300)")
+    p.add_argument("--samples-per-file", type=int, default=1, metavar="N",
+                   help="each file holds N KV samples one after the other (default 1: 2.95 MB files; 8 gives 24 MB, "
+                        "the size of a 256-token chunk of an 8B model in bf16)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 60 MB per arm, 1 round")
     p.add_argument("--only", help="comma-separated arm names or prefixes (e.g. 'fuse,plain write')")
@@ -494,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mb, args.rounds = 60, 1
     srcs = sources(args.data)
-    file_size = srcs[0].stat().st_size
+    file_size = srcs[0].stat().st_size * args.samples_per_file  # the samples are of one size
     per_arm = max(2, round(args.mb * 1_000_000 / file_size))
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     chosen = [a for a in ARMS if only is None or any(a.name.startswith(o) for o in only)]
@@ -510,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     status = 0
     try:
-        codec = codec_reference(srcs, min(per_arm, 64), 1 << 20)
+        codec = codec_reference(srcs, min(per_arm, 64), 1 << 20, args.samples_per_file)
         for rnd in range(args.rounds):
             run = Run(args, rnd, work, shm)
             try:
