@@ -40,6 +40,7 @@ import vllm_driver
 
 MODEL = Path(os.environ.get("KVFS_TEST_MODEL", REPO / ".venv/opt/models/SmolLM2-135M-Instruct"))
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
+SGLANG_ENV = {"PYTHONPATH": str(REPO / "tools")}  # tools/sglang_cpu.py
 BLOCK_TOKENS, BLOCK_BYTES = 128, 2949120  # one sample file: a 128-token block of SmolLM2, all 30 layers
 BF16_RATIO, FP16_RATIO = 0.75, 0.9        # stored/raw bounds (measured: bf16 0.656-0.674, fp16 0.84-0.86)
 CPU_REFUSAL = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
@@ -244,25 +245,9 @@ def sglang_pages(samples: list[Path], page_size: int = 64) -> dict[str, np.ndarr
 
 SGLANG_HICACHE = r'''
 """SGLang's HiCacheFile on CPU: set/exists/get of KV pages (flat page tensors, as HiCache's page I/O passes)."""
-import hashlib, importlib.util, json, os, platform, sys, time
+import hashlib, json, os, sys, time
 
-
-def stub_triton():
-    """sglang.srt.utils imports triton at import time; triton is not installed (no CPU use here, several hundred
-    MB). Install SGLang's own Triton stub, the one it installs where Triton does not exist (Apple Silicon)."""
-    import torch
-    path = os.path.join(importlib.util.find_spec("sglang").submodule_search_locations[0], "_platform_stubs.py")
-    spec = importlib.util.spec_from_file_location("_sglang_platform_stubs", path)
-    stubs = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = stubs
-    spec.loader.exec_module(stubs)
-    saved = sys.platform, platform.machine, torch.backends.mps.is_available
-    sys.platform, platform.machine, torch.backends.mps.is_available = "darwin", lambda: "arm64", lambda: True
-    try:
-        stubs.install_platform_stubs()
-    finally:
-        sys.platform, platform.machine, torch.backends.mps.is_available = saved
-
+from sglang_cpu import stub_triton  # tools/, on PYTHONPATH
 
 stub_triton()
 import numpy as np, torch
@@ -313,10 +298,10 @@ def test_sglang_hicache_file_backend_through_kvfs(kvfs, tmp_path):
     np.savez(tmp_path / "pages.npz", **pages)
     root = kvfs.path("sglang-hicache")
     stored = run_script(SGLANG_PY, SGLANG_HICACHE, ["set", str(tmp_path / "pages.npz")], tmp_path / "set.log",
-                        env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root)})
+                        env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root), **SGLANG_ENV})
     loaded = run_script(SGLANG_PY, SGLANG_HICACHE,
                         ["get", str(tmp_path / "pages.npz"), json.dumps({"file_storage_path": str(root)})],
-                        tmp_path / "get.log", env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""})
+                        tmp_path / "get.log", env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "", **SGLANG_ENV})
     assert stored["dir"] == loaded["dir"] == str(root)
     assert stored["exists_before"] == 0 and stored["batch_set"] and all(stored["exists"])
     assert loaded["batch_exists"] == loaded["batch_exists_v2"] == len(pages)  # the prefix, not the absent key

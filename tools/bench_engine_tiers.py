@@ -136,27 +136,9 @@ def worker_vllm(mode: str, root: str, n: int, threads: int) -> dict:
     return out
 
 
-def _stub_triton() -> None:
-    """sglang.srt.utils imports triton at import time (not installed): SGLang's own stub, as in the tests."""
-    import importlib.util
-    import platform
-
-    import torch
-    path = os.path.join(importlib.util.find_spec("sglang").submodule_search_locations[0], "_platform_stubs.py")
-    spec = importlib.util.spec_from_file_location("_sglang_platform_stubs", path)
-    stubs = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = stubs
-    spec.loader.exec_module(stubs)
-    saved = sys.platform, platform.machine, torch.backends.mps.is_available
-    sys.platform, platform.machine, torch.backends.mps.is_available = "darwin", lambda: "arm64", lambda: True
-    try:
-        stubs.install_platform_stubs()
-    finally:
-        sys.platform, platform.machine, torch.backends.mps.is_available = saved
-
-
 def worker_sglang(mode: str, root: str, n: int, pages_file: str) -> dict:
-    _stub_triton()
+    from sglang_cpu import stub_triton  # this script's directory is on sys.path
+    stub_triton()
     import numpy as np
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
