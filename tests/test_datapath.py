@@ -6,18 +6,9 @@ from __future__ import annotations
 import mmap
 import os
 
-from conftest import kv_samples
+from conftest import drop_page_cache, kv_samples
 
 MiB = 1 << 20
-
-
-def drop_page_cache(path) -> None:
-    """The next read of the file reaches the daemon."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _kv(n_bytes: int) -> bytes:

@@ -206,13 +206,10 @@ def _worker(python: str, args: list[str], log: Path, env: dict | None = None) ->
 
 
 def drop_page_cache(directory: Path) -> None:
+    from bench_tiers import fadvise_dontneed  # this script's directory is on sys.path
     for f in directory.rglob("*"):
         if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            fadvise_dontneed(f)
 
 
 def _daemon_pid(path: Path) -> int | None:
