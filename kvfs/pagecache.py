@@ -60,9 +60,6 @@ class PageKeeper:
         self.enabled = ENABLED
         self.slots = trio.Semaphore(STAT_SLOTS)
         self.busy: dict[int, trio.Event] = {}  # inode -> set when its store is done
-        self.files = 0  # files whose pages were kept, and their bytes
-        self.bytes = 0
-        self.skipped = 0  # closes that found every slot taken
 
     def snapshot(self, state, flags: int) -> Written | None:
         """Before the commit of a flush: the content about to be committed, if it may be kept afterwards."""
@@ -90,7 +87,6 @@ class PageKeeper:
         try:
             self.slots.acquire_nowait()
         except trio.WouldBlock:
-            self.skipped += 1
             log.debug("inode %d: its written pages are not kept, %d stores in progress", w.ino, STAT_SLOTS)
             return
         done = self.busy[w.ino] = trio.Event()
@@ -103,9 +99,6 @@ class PageKeeper:
             await trio.to_thread.run_sync(self._store, w, abandon_on_cancel=True)
             if state.changes != w.changes:  # a write got in: the kernel may hold older bytes than the daemon
                 await trio.to_thread.run_sync(forget_pages, w.ino, abandon_on_cancel=True)
-                return
-            self.files += 1
-            self.bytes += w.size
         except OSError as e:  # the page cache stays as the kernel left it: correct, only slower to read
             log.debug("keeping the written pages of inode %d: %s", w.ino, e)
         finally:
