@@ -211,6 +211,60 @@ def test_load_errors_are_in_the_steps_own_output_even_when_vllm_finalizes_late(c
     conn.shutdown()
 
 
+def test_chunk_names_follow_the_cache_salt(configs):
+    """Tenants with different cache_salt get different chunk files for the same tokens; the same salt, the same
+    files. The names are vLLM's block hashes, which fold the salt into the first block and so the whole chain."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from kvfs_connector.connector import KVFSConnector
+
+    vc, kcc, _, _ = configs
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    conn = KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    prompt = list(range(2000, 2600))
+
+    def paths(salt):
+        req = Request(f"r-{salt}", prompt, SamplingParams(max_tokens=4), None, cache_salt=salt,
+                      block_hasher=get_request_block_hasher(BS, hash_fn))
+        return [conn.planner.chunk_paths(req, c)[0] for c in range(2)]
+
+    plain, a, b = paths(None), paths("tenant-a"), paths("tenant-b")
+    assert paths("tenant-a") == a
+    assert not {*plain} & {*a} and not {*a} & {*b} and not {*plain} & {*b}
+    conn.shutdown()
+
+
+def test_a_vllm_whose_block_hashes_ignore_the_salt_is_refused_at_start(configs, monkeypatch):
+    """If a vLLM release stopped folding cache_salt into block hashes, two tenants' identical prompts would name
+    the same chunk files: the connector must refuse to start rather than share them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core import kv_cache_utils
+
+    from kvfs_connector.connector import KVFSConnector
+
+    vc, kcc, _, _ = configs
+    assert compat.salt_isolates(BS, "sha256") is None  # the installed vLLM folds it in
+    real = kv_cache_utils.generate_block_hash_extra_keys
+
+    class Unsalted:  # the request as a vLLM that forgot cache_salt would see it
+        def __init__(self, request):
+            self._request = request
+
+        def __getattr__(self, name):
+            return None if name == "cache_salt" else getattr(self._request, name)
+
+    monkeypatch.setattr(kv_cache_utils, "generate_block_hash_extra_keys",
+                        lambda request, *args: real(Unsalted(request), *args))
+    with pytest.raises(compat.UnsupportedEngine, match="do not depend on cache_salt.*refusing to start"):
+        KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    KVFSConnector(vc, KVConnectorRole.WORKER, kcc).shutdown()  # names are the scheduler's: workers are unaffected
+
+
 def test_an_unknown_layout_stops_the_worker_at_start(configs):
     """A faked attention backend the connector does not know: register_kv_caches raises (vLLM's worker start
     fails with it) with a message naming the vLLM version and the backend, instead of guessing."""

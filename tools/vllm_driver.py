@@ -16,7 +16,8 @@ A round may name a "wait_file" (the round starts once that file exists) and a "d
 round is over): another process paces the engine round by round (tools/bench_lmcache_l2.py).
 
 A prompt may also be {"extend": [round, index], "extra": [token ids]}: the prompt of that earlier request,
-then its generated tokens, then `extra` — the next turn of a conversation. Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
+then its generated tokens, then `extra` — the next turn of a conversation. {"tokens": [token ids], "cache_salt":
+"..."} sends the tokens with vLLM's cache_salt (the tenant's salt). Each round submits its prompts `concurrency` at a time (all of a group at once, the next group after the
 previous one finished; with "atomic_groups" the scheduler is paused while a group is added, so that its
 first step sees the whole group instead of the requests that reached the engine core first) through
 LLMEngine.step(), greedy, and records per request: the generated token ids,
@@ -94,6 +95,7 @@ def run(job: dict) -> dict:
             time.sleep(0.02)
         params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 8), ignore_eos=True, **extra)
         prompts = [_resolve(p, job["rounds"], results) for p in rnd["prompts"]]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in rnd["prompts"]]
         out: list[dict] = [None] * len(prompts)  # type: ignore[list-item]
         conc = rnd.get("concurrency", 1)
         for g in range(0, len(prompts), conc):
@@ -105,7 +107,8 @@ def run(job: dict) -> dict:
             for i in group:
                 rid = f"r{n}"
                 n += 1
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i]), params)
+                salt = {"cache_salt": salts[i]} if salts[i] is not None else {}
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i], **salt), params)
                 submitted[rid] = (i, time.perf_counter())
             if gate:
                 engine.engine_core.call_utility("resume_scheduler")
@@ -150,6 +153,8 @@ def _prompt_logprobs(entries, prompt: list[int]) -> list[list]:
 
 
 def _resolve(prompt, rounds: list, results: list) -> list[int]:
+    if isinstance(prompt, dict) and "tokens" in prompt:
+        return list(prompt["tokens"])
     if isinstance(prompt, dict):
         r, i = prompt["extend"]
         return results[r][i]["prompt"] + results[r][i]["tokens"] + list(prompt["extra"])

@@ -109,6 +109,39 @@ def none_hash() -> bytes:
     return bytes(kv_cache_utils.NONE_HASH)
 
 
+def salt_isolates(hash_block_size: int, hash_algo: str) -> str | None:
+    """None if this vLLM folds a request's cache_salt into its block hashes, else why not. Chunk files are
+    named by those hashes, so this is what keeps tenants with different salts on different files: asked of
+    vLLM's own Request and block hasher, on a two-block prompt under three salts (none, "a", "b"), which must
+    give three different hash chains. NONE_HASH, the chain's seed, is set by the engine core only after the
+    scheduler (and this connector) is built: a stand-in is used for the check, then removed."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    seeded = hasattr(kv_cache_utils, "NONE_HASH")
+    if not seeded:
+        kv_cache_utils.NONE_HASH = kv_cache_utils.BlockHash(b"kvfs-salt-check".ljust(32, b"."))
+    try:
+        hasher = kv_cache_utils.get_request_block_hasher(hash_block_size, get_hash_fn_by_name(hash_algo))
+        tokens = list(range(2 * hash_block_size))
+        chains = {salt: tuple(bytes(h) for h in Request(
+            request_id=f"kvfs-salt-check-{salt}", prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=1), pooling_params=None, cache_salt=salt,
+            block_hasher=hasher).block_hashes) for salt in (None, "a", "b")}
+    except Exception as e:  # an interface this check does not know: it cannot vouch for isolation
+        return f"cannot check how vLLM hashes cache_salt ({type(e).__name__}: {e})"
+    finally:
+        if not seeded:
+            del kv_cache_utils.NONE_HASH
+    if any(len(chain) != 2 for chain in chains.values()):
+        return f"vLLM's block hasher gave {[len(c) for c in chains.values()]} hashes for a two-block prompt"
+    if len(set(chains.values())) != 3 or len({chain[-1] for chain in chains.values()}) != 3:
+        return "vLLM's block hashes do not depend on cache_salt"
+    return None
+
+
 def resumed_req_ids(cached_reqs: Any) -> Any:
     """Requests of scheduler_output.scheduled_cached_reqs that resume after a preemption, with their whole
     block list in new_block_ids. 0.32: CachedRequestData.resumed_req_ids. 0.34 dropped the field: a resumed

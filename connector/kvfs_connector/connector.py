@@ -64,6 +64,10 @@ class KVFSConnector(KVConnectorBase_V1):
                 self.disabled_reason = f"chunk size {self.chunk_size} is not a multiple of the hash block size"
                 log.warning("kvfs connector disabled: %s", self.disabled_reason)
                 return
+            if (why := compat.salt_isolates(hash_block_size, vllm_config.cache_config.prefix_caching_hash_algo)):
+                # chunk names are block hashes: without the salt in them, tenants would share files
+                raise compat.UnsupportedEngine(f"kvfs connector: {why}, so requests with different cache_salt "
+                                               "would share chunk files; refusing to start (docs/connector.md)")
             self.planner = Planner(mount=self.guard.path, namespaces=self._namespaces, block_size=self.block_size,
                                    hash_block_size=hash_block_size, chunk_size=self.chunk_size,
                                    save_decode=self.settings.save_decode, guard=self.guard,
