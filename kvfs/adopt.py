@@ -129,6 +129,8 @@ def _check_layout(header: fmt.Header, entries: list[fmt.FrameEntry], size: int) 
             raise fmt.CorruptObject(f"frame {i}: codec {e.codec} / transform {e.transform} unknown here")
         if e.codec == codecs.NoneCodec.id and e.stored_len != e.raw_len:
             raise fmt.CorruptObject(f"frame {i}: stored raw with another length")
+        if e.is_sealed:
+            raise fmt.CorruptObject(f"frame {i}: sealed (only the daemon seals objects)")
         offset += e.stored_len
     if offset != size:
         raise fmt.CorruptObject(f"{size} bytes, its frames account for {offset}")
@@ -189,8 +191,8 @@ class Adopter:
         if not self.config.direct_writes:
             return None
         tier = self.ops.store.order[0]
-        if not isinstance(tier, DirectoryTier) or tier.fenced is not None or tier.disowned:
-            return None
+        if not isinstance(tier, DirectoryTier) or tier.fenced is not None or tier.disowned or tier.sealed:
+            return None  # a sealed tier: writers hold no key, so they write through the mount
         return tier
 
     def offer(self, ino: int) -> bytes:
@@ -234,6 +236,8 @@ class Adopter:
             placed: Tier | None = None
             try:
                 placed = await ops.mover.place(size, None, False)
+                if placed.sealed:  # L2 full, and the tier below seals: the writer's plain object cannot go there
+                    raise AdoptRefused(errno.EOPNOTSUPP, f"{placed.name} holds sealed objects only")
                 oid = object_id(ino, 1)
                 if placed is tier:
                     move = functools.partial(tier.adopt_staged, staged, oid)

@@ -73,8 +73,14 @@ def main() -> None:
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
               help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (docs/metrics.md)")
 @click.option("--metrics-address", metavar="ADDR", help="address the metrics port binds to (default 127.0.0.1)")
+@click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="encryption at rest: a file of 32 random bytes, mode 0600 (or KVFS_KEY=64 hex digits)")
+@click.option("--old-key-file", "old_key_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="a rotated-out key whose objects stay readable (repeatable)")
+@click.option("--encrypt", metavar="TIERS",
+              help="tiers that hold sealed objects only, e.g. L4 (the default with a key), L3,L4, or none")
 def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_takeover, force, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
-          log_file, debug, metrics_port, metrics_address):
+          log_file, debug, metrics_port, metrics_address, key_file, old_key_files, encrypt):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
@@ -83,7 +89,12 @@ def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_take
                            dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
                            debug=debug, log_file=log_file, metrics_port=metrics_port,
                            metrics_address=metrics_address,
-                           l4_takeover="force" if force else "expired" if l4_takeover else None)
+                           l4_takeover="force" if force else "expired" if l4_takeover else None,
+                           key_file=key_file, old_key_files=old_key_files, encrypt=encrypt)
+        if cfg.encryption.enabled:
+            from .daemon import load_keyring
+
+            load_keyring(cfg)  # a key file that cannot be used stops the mount here, before it detaches
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if cfg.codec == "qat":

@@ -125,6 +125,19 @@ class PromotionPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class EncryptionConfig:
+    """[encryption]: the key files (never the keys: kvfs/crypto.py loads them at mount) and the tiers that hold
+    sealed objects only. The key may also come from the environment (KVFS_KEY), never from arguments."""
+    key_file: Path | None = None  # the current key: new objects are sealed with it
+    old_key_files: tuple[Path, ...] = ()  # rotated-out keys: objects sealed with them stay readable
+    tiers: tuple[str, ...] = ()  # names of the tiers that seal, a suffix of the tier order
+
+    @property
+    def enabled(self) -> bool:
+        return self.key_file is not None or bool(self.tiers)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     mountpoint: Path | None  # None only for offline tools (kvfs fsck --config) given no mountpoint
     state_dir: Path
@@ -148,6 +161,7 @@ class Config:
     l4_takeover: str | None = None  # take over another mount's private L4: "expired" (its lease) or "force"
     direct_writes: bool = True  # offer writers a staging directory (kvfs/staging.py, docs/direct.md)
     adopt_verify: str = "checksums"  # what adopting a staged object checks: ADOPT_VERIFY
+    encryption: EncryptionConfig = EncryptionConfig()
 
     @property
     def lossy_mode(self) -> lossy.Lossy:
@@ -309,10 +323,13 @@ def build_config(
     metrics_address: str | None = None,
     l4_takeover: str | None = None,
     direct_writes: bool | None = None,
+    key_file: str | Path | None = None,
+    old_key_files: tuple[str | Path, ...] = (),
+    encrypt: str | None = None,
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
     toml = load_toml(Path(config_file)) if config_file else {}
-    unknown = set(toml) - {"mount", "l2", "l3", "l4"}
+    unknown = set(toml) - {"mount", "l2", "l3", "l4", "encryption"}
     if unknown:
         raise ConfigError(f"unknown config sections: {sorted(unknown)}")
     mount_t = toml.get("mount", {})
@@ -360,6 +377,8 @@ def build_config(
     adopt_verify = mount_t.get("adopt_verify", "checksums")
     if adopt_verify not in ADOPT_VERIFY:
         raise ConfigError(f"adopt_verify must be one of {', '.join(ADOPT_VERIFY)}, got {adopt_verify!r}")
+    encryption = _encryption_config(toml.get("encryption", {}), key_file, old_key_files, encrypt,
+                                    [t for t in (l2_tier, l3_tier, l4_tier) if t is not None])
     lfile = log_file or mount_t.get("log_file")
     port = _metrics_port(metrics_port if metrics_port is not None else mount_t.get("metrics_port"))
     return Config(
@@ -385,7 +404,42 @@ def build_config(
         l4_takeover=l4_takeover,
         direct_writes=bool(mount_t.get("direct_writes", True) if direct_writes is None else direct_writes),
         adopt_verify=adopt_verify,
+        encryption=encryption,
     )
+
+
+def _encryption_config(section: dict, key_file, old_key_files, encrypt: str | None,
+                       tiers: list[TierConfig]) -> EncryptionConfig:
+    """Keys from --key-file (or [encryption] key_file, or KVFS_KEY at mount); sealed tiers from --encrypt (or
+    [encryption] tiers): by default L4 alone, what leaves the host, once a key is given."""
+    unknown = set(section) - {"key_file", "old_key_files", "tiers"}
+    if unknown:
+        raise ConfigError(f"unknown keys in [encryption]: {sorted(unknown)}")
+    key = key_file or section.get("key_file")
+    old = tuple(Path(p).expanduser() for p in (old_key_files or section.get("old_key_files", ())))
+    names = [t.name for t in tiers]
+    keyed = key is not None or "KVFS_KEY" in os.environ
+    spec = encrypt if encrypt is not None else section.get("tiers")
+    if spec is None:
+        sealed = ("L4",) if keyed and "L4" in names else ()
+    else:
+        listed = spec if isinstance(spec, list) else [p for p in str(spec).split(",") if p.strip()]
+        sealed = tuple(str(p).strip().upper() for p in listed)
+        if sealed == ("NONE",):
+            sealed = ()
+        for name in sealed:
+            if name not in names:
+                raise ConfigError(f"--encrypt {name}: no such tier here (tiers: {', '.join(names)})")
+        if sealed and not keyed:
+            raise ConfigError("sealed tiers need a key: --key-file FILE, [encryption] key_file, or KVFS_KEY")
+    first = min((names.index(n) for n in sealed), default=len(names))
+    if set(sealed) != set(names[first:]):
+        raise ConfigError(f"sealed tiers must include every tier below the fastest sealed one ({', '.join(names[first:])}):"
+                          " objects only move down into sealed tiers, never out of them unsealed")
+    if old and not keyed:
+        raise ConfigError("old key files without a current key")
+    return EncryptionConfig(Path(key).expanduser() if key is not None else None, old,
+                            tuple(n for n in names if n in sealed))
 
 
 def _l4_lease(section: dict) -> float:

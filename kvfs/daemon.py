@@ -19,10 +19,10 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import metrics, native_stderr, owner, sdnotify
+from . import crypto, metrics, native_stderr, owner, sdnotify
 from .codecs import qat
 from .codecs.qat import QatCodec
-from .config import Config
+from .config import Config, ConfigError
 from .fs import Operations
 from .index import Index
 from .locks import InodeLocks
@@ -117,6 +117,9 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
                         reconcile_objects_adopted=report.objects_adopted)
     qat_codec = _load_qat() if config.codec == "qat" else None
     store = Store(tiers)
+    store.keyring = load_keyring(config)
+    for tier in tiers:
+        tier.sealed = tier.name in config.encryption.tiers
     locks = InodeLocks()
     mover = Mover(store, index, config.tiers, config.promotion, counters, locks, config.idle_s)
     store.place = mover.place
@@ -155,6 +158,18 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
         index.close()
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
     return 0
+
+
+def load_keyring(config: Config) -> crypto.KeyRing | None:
+    """The keys of [encryption] (ConfigError naming the file when one cannot be used), None without any."""
+    enc = config.encryption
+    try:
+        current = crypto.load_key_file(enc.key_file) if enc.key_file is not None else crypto.key_from_env()
+        if current is None:
+            return None
+        return crypto.KeyRing(current, [crypto.load_key_file(p) for p in enc.old_key_files])
+    except crypto.KeyError_ as e:
+        raise ConfigError(str(e)) from None
 
 
 def open_tiers(config: Config) -> list[Tier]:

@@ -125,6 +125,8 @@ def _layout(fd: int, loc: Location) -> tuple[fmt.Header, memoryview, list[fmt.Fr
     header, table, entries = read_head(fd, loc.stored_bytes)
     if header.raw_size != loc.size:
         raise Unavailable(f"object holds {header.raw_size} bytes, the file has {loc.size}")
+    if header.sealing is not None:
+        raise Unavailable("sealed object (encryption at rest): the mount, which holds the key, opens it")
     return header, table, entries
 
 

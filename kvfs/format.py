@@ -32,6 +32,8 @@ FRAME_ENTRY = struct.Struct("<QIIBBHQQ")
 CHECKSUM = struct.Struct("<Q")
 
 FRAME_HOLE = 0x1  # no payload: raw_len zero bytes
+FRAME_SEALED = 0x2  # the payload is sealed (AES-256-GCM, kvfs/crypto.py): the header's EXT_SEALED names the key
+FRAME_FLAGS = FRAME_HOLE | FRAME_SEALED  # a reader refuses a frame with any other flag
 LOSSY_MODES = (0, 1, 2)  # lossless, mantissa rounding, fp8 (kvfs/lossy.py)
 
 DTYPES = {"unknown": 0, "bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "int8": 6}
@@ -40,6 +42,8 @@ DTYPE_ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2"
 
 
 EXT_SHAPE = 1  # shape hint: ASCII "offset=N name=n name=n ..." (outermost dimension first)
+EXT_SEALED = 4  # u8 algorithm (1: AES-256-GCM, HKDF-SHA256 working key) | 8-byte key id | 16-byte object nonce
+SEALED_EXT = struct.Struct("<B8s16s")
 SHAPE_HINT = re.compile(rb"offset=\d{1,12}( [a-z][a-z_]{0,15}=\d{1,9}){1,8}")
 
 
@@ -110,6 +114,26 @@ class Header:
     def data_offset(self) -> int:
         return self.size + self.table_size
 
+    @property
+    def sealing(self) -> tuple[bytes, bytes] | None:
+        """(key id, object nonce) of a sealed object's frames, or None (a plain object)."""
+        value = parse_tlvs(self.extensions).get(EXT_SEALED)
+        if value is None:
+            return None
+        if len(value) != SEALED_EXT.size or value[0] != 1:
+            raise CorruptObject("unknown sealing algorithm")
+        _, key_id, nonce = SEALED_EXT.unpack(value)
+        return key_id, nonce
+
+    def sealed_with(self, key_id: bytes, nonce: bytes) -> "Header":
+        """This header for a sealed object (any earlier sealing extension replaced)."""
+        kept = b"".join(tlv(t, v) for t, v in parse_tlvs(self.extensions).items() if t != EXT_SEALED)
+        return dataclasses.replace(self, extensions=kept + tlv(EXT_SEALED, SEALED_EXT.pack(1, key_id, nonce)))
+
+    def unsealed(self) -> "Header":
+        kept = b"".join(tlv(t, v) for t, v in parse_tlvs(self.extensions).items() if t != EXT_SEALED)
+        return dataclasses.replace(self, extensions=kept)
+
 
 @dataclasses.dataclass(frozen=True)
 class FrameEntry:
@@ -125,6 +149,15 @@ class FrameEntry:
     @property
     def is_hole(self) -> bool:
         return bool(self.flags & FRAME_HOLE)
+
+    @property
+    def is_sealed(self) -> bool:
+        return bool(self.flags & FRAME_SEALED)
+
+    def sealing_aad(self) -> bytes:
+        """What a sealed payload's authentication binds it to: its place, sizes, codec and transform."""
+        return FRAME_ENTRY.pack(self.offset, self.stored_len, self.raw_len, self.codec, self.transform,
+                                self.flags, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,11 +224,15 @@ def encode_frame(raw, codec: codecs.Codec, transform: int, fp8: "Fp8Params | Non
     return EncodedFrame(payload, raw_len, codecs.NoneCodec.id, transforms.IDENTITY, 0, raw_hash, raw_hash)
 
 
-def decode_frame(entry: FrameEntry, payload: bytes | memoryview) -> bytes:
-    """Verify, decompress, invert the transform, verify again. Raises CorruptObject."""
+def decode_frame(entry: FrameEntry, payload: bytes | memoryview, cipher=None) -> bytes:
+    """Verify, decompress, invert the transform, verify again. Raises CorruptObject. A sealed frame is opened
+    with `cipher` (its object's working cipher, kvfs/crypto.py) first."""
     if entry.is_hole:
         return bytes(entry.raw_len)
-    _check_payload(entry, payload)
+    if entry.is_sealed:
+        entry, payload = open_sealed(entry, payload, cipher)
+    else:
+        check_payload(entry, payload)
     try:
         data = transforms.invert(entry.transform, codecs.by_id(entry.codec).decompress(payload, entry.raw_len),
                                  entry.raw_len)
@@ -205,7 +242,26 @@ def decode_frame(entry: FrameEntry, payload: bytes | memoryview) -> bytes:
     return data
 
 
-def _check_payload(entry: FrameEntry, payload) -> None:
+def open_sealed(entry: FrameEntry, payload, cipher) -> tuple[FrameEntry, bytes]:
+    """A sealed frame's plain entry and payload (its stored checksum then stands for the authentication)."""
+    from . import crypto
+
+    check_payload(entry, payload)
+    if cipher is None:
+        raise crypto.KeyUnavailable("a sealed frame, and no key to open it")
+    try:
+        raw_xxh3, plain = crypto.unseal(cipher, entry.offset, entry.sealing_aad(), payload)
+    except ValueError as e:
+        raise CorruptObject(str(e)) from None
+    return plain_entry(entry, plain, raw_xxh3), plain
+
+
+def plain_entry(sealed: FrameEntry, plain: bytes, raw_xxh3: int) -> FrameEntry:
+    return FrameEntry(sealed.offset, len(plain), sealed.raw_len, sealed.codec, sealed.transform,
+                      sealed.flags & ~FRAME_SEALED, xxh3(plain), raw_xxh3)
+
+
+def check_payload(entry: FrameEntry, payload) -> None:
     """Before any decoder sees the bytes."""
     if len(payload) != entry.stored_len or xxh3(payload) != entry.stored_xxh3:
         raise CorruptObject("frame payload checksum mismatch")
@@ -216,15 +272,17 @@ def _check_raw(entry: FrameEntry, data) -> None:
         raise CorruptObject("frame raw checksum mismatch")
 
 
-def decode_frame_into(entry: FrameEntry, payload: bytes | memoryview, dest: memoryview) -> None:
+def decode_frame_into(entry: FrameEntry, payload: bytes | memoryview, dest: memoryview, cipher=None) -> None:
     """decode_frame into dest (exactly raw_len bytes), with no intermediate buffer where the codec can decode
     in place (entropy). On CorruptObject, dest holds garbage: the caller must not use it."""
     codec = None if entry.is_hole else codecs.REGISTRY.get(entry.codec)
     into = getattr(codec, "decompress_into", None)
+    if entry.is_sealed and not entry.is_hole:
+        entry, payload = open_sealed(entry, payload, cipher)
     if into is None or entry.transform != transforms.IDENTITY or len(dest) != entry.raw_len:
         dest[:] = memoryview(decode_frame(entry, payload)).cast("B")
         return
-    _check_payload(entry, payload)
+    check_payload(entry, payload)
     try:
         into(payload, dest)
     except (codecs.CodecError, ValueError) as e:
@@ -240,18 +298,52 @@ def pack_header(h: Header) -> bytes:
     return body + CHECKSUM.pack(xxh3(body))
 
 
-def build_object(header: Header, frames: Sequence[EncodedFrame]) -> tuple[list[bytes], list[FrameEntry]]:
-    """Lay out an object: [header+table, payload, …] ready to be written in order, and its frame table."""
+def build_object(header: Header, frames: Sequence[EncodedFrame], cipher=None) -> tuple[list[bytes], list[FrameEntry]]:
+    """Lay out an object: [header+table, payload, …] ready to be written in order, and its frame table. With
+    `cipher` (the working cipher of the header's EXT_SEALED), every payload is sealed in place."""
     if len(frames) != header.n_frames:
         raise ValueError("frame count does not match header")
+    if (cipher is None) != (header.sealing is None):
+        raise ValueError("a sealed object needs its cipher, and only it")
+    if cipher is not None:
+        frames = seal_frames(header, frames, cipher)
     entries = []
     offset = header.data_offset
     for f in frames:
         entries.append(f.entry_at(offset))
         offset += len(f.payload)
+    return [pack_head(header, entries), *(f.payload for f in frames if f.payload)], entries
+
+
+def pack_head(header: Header, entries: Sequence[FrameEntry]) -> bytes:
+    """Header and frame table: the bytes before an object's first payload."""
     table = b"".join(FRAME_ENTRY.pack(*dataclasses.astuple(e)) for e in entries)
-    head = pack_header(header) + table + CHECKSUM.pack(xxh3(table))
-    return [head, *(f.payload for f in frames if f.payload)], entries
+    return pack_header(header) + table + CHECKSUM.pack(xxh3(table))
+
+
+def seal_frames(header: Header, frames: Sequence[EncodedFrame], cipher) -> list[EncodedFrame]:
+    """The frames of a plain layout sealed for their places in the sealed object of `header`."""
+    out = []
+    offset = header.data_offset
+    for f in frames:
+        out.append(seal_frame(f, offset, cipher))
+        offset += len(out[-1].payload)
+    return out
+
+
+def seal_frame(f: EncodedFrame, offset: int, cipher) -> EncodedFrame:
+    """One plain frame sealed for payload offset `offset` of its sealed object (holes stay holes)."""
+    from . import crypto
+
+    if f.is_hole:
+        return f
+    if f.flags & FRAME_SEALED:
+        raise ValueError("frame sealed already")
+    flags = f.flags | FRAME_SEALED
+    size = len(f.payload) + crypto.SEAL_OVERHEAD
+    aad = FrameEntry(offset, size, f.raw_len, f.codec, f.transform, flags, 0, 0).sealing_aad()
+    sealed = crypto.seal(cipher, offset, aad, f.raw_xxh3, f.payload)
+    return EncodedFrame(sealed, f.raw_len, f.codec, f.transform, flags, xxh3(sealed), 0)
 
 
 def parse_header(buf: bytes | memoryview) -> Header:
@@ -292,5 +384,7 @@ def parse_table(header: Header, buf: bytes | memoryview, object_size: int) -> li
         expected_raw = min(header.frame_size, header.raw_size - i * header.frame_size)
         if e.raw_len != expected_raw or e.offset + e.stored_len > object_size:
             raise CorruptObject(f"frame {i} entry out of bounds")
+        if e.flags & ~FRAME_FLAGS or (e.flags & FRAME_SEALED and header.sealing is None):
+            raise CorruptObject(f"frame {i}: flags {e.flags:#x} unknown or without their key")
         entries.append(e)
     return entries

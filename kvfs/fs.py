@@ -19,7 +19,7 @@ import time
 import pyfuse3
 import trio
 
-from . import direct
+from . import crypto, direct
 from . import staging
 from .adopt import Adopter, AdoptRefused
 from . import lossy as lossy_modes
@@ -80,6 +80,11 @@ def _guard(fn):
         except FileCorrupt as e:
             await self.drop_corrupt(e)
             raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, PublishedGone) else errno.EIO) from None
+        except crypto.KeyUnavailable as e:  # the file is kept: listing its key again makes it readable
+            self.counters.key_unavailable += 1
+            if self.counters.key_unavailable == 1:
+                log.warning("%s: %s (EIO; counted in key_unavailable, logged once)", fn.__name__, e.strerror)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         except OSError as e:
             if e.errno in EXPECTED_ERRNOS:
                 log.debug("%s: %s", fn.__name__, e)
@@ -718,6 +723,10 @@ class Operations(pyfuse3.Operations):
         value = {"tier": row["obj_tier"], "codec": row["codec"], "transform": row["transform"]}[key]
         return (value or "none").encode()
 
+    def _unsealed_path(self, ref: ObjectRef) -> str | None:
+        tier = self.store.tiers[ref.tier]
+        return None if tier.sealed else tier.local_path(ref.object_id)
+
     async def _object_xattr(self, ino: int, row) -> bytes:
         """Where a committed file's object can be opened past FUSE (kvfs.direct). Counts as a read of the
         file: the reader is about to read it all. A file in a remote tier that is due for promotion is
@@ -733,13 +742,13 @@ class Operations(pyfuse3.Operations):
             if await self.mover.promote_now(ino):
                 row = self._row(ino)
                 ref = ObjectRef.of_row(row)
-                path = self.store.tiers[ref.tier].local_path(ref.object_id) if ref is not None else None
+                path = self._unsealed_path(ref) if ref is not None else None
                 if path is not None:  # the promotion counted the read: a second hit would double it
                     self.counters.direct_reads += 1
                     self.counters.direct_bytes += row["size"]
                     return direct.Location(ref.tier, ref.stored_bytes, row["size"], path).encode()
             raise _err(pyfuse3.ENOATTR)
-        if path is None:
+        if path is None or self.store.tiers[ref.tier].sealed:  # sealed: only the mount holds the key
             raise _err(pyfuse3.ENOATTR)
         self.mover.note_read(ino, ref.tier)
         self.index.note_access(ino)

@@ -405,12 +405,15 @@ class Index:
             ino = rows[0]["parent"]
         return parts[::-1]
 
-    def publish(self, ino: int, gen: int, source: str, dest: str, key: str, etag: str) -> bool:
-        """The switch after a file's first upload to a shared L4 (I6 and I7 in one transaction)."""
+    def publish(self, ino: int, gen: int, source: str, dest: str, key: str, etag: str,
+                stored_bytes: int | None = None) -> bool:
+        """The switch after a file's first upload to a shared L4 (I6 and I7 in one transaction); stored_bytes:
+        the upload's size where it was sealed on the way."""
         with self.transaction():
             cur = self.db.execute(
-                "UPDATE inodes SET obj_tier = ?, published_key = ?, published_etag = ? "
-                "WHERE id = ? AND obj_gen = ? AND obj_tier = ?", (dest, key, etag, ino, gen, source))
+                "UPDATE inodes SET obj_tier = ?, published_key = ?, published_etag = ?, "
+                "stored_bytes = COALESCE(?, stored_bytes) WHERE id = ? AND obj_gen = ? AND obj_tier = ?",
+                (dest, key, etag, stored_bytes, ino, gen, source))
         return cur.rowcount == 1
 
     def adopt_published(self, parent: int, name: bytes, *, mode: int, uid: int, gid: int, size: int,
@@ -459,11 +462,13 @@ class Index:
                                 [(ino, k, v) for k, v in xattrs])
             self._touch_dir(parent, now)
 
-    def move_object(self, ino: int, gen: int, source: str, dest: str) -> bool:
-        """The switch of the move protocol (I6): False when the row no longer names that object."""
+    def move_object(self, ino: int, gen: int, source: str, dest: str, stored_bytes: int | None = None) -> bool:
+        """The switch of the move protocol (I6): False when the row no longer names that object. stored_bytes:
+        the copy's size where the move sealed or opened it (kvfs/sealing.py)."""
         with self.transaction():
-            cur = self.db.execute("UPDATE inodes SET obj_tier = ? WHERE id = ? AND obj_gen = ? AND obj_tier = ?",
-                                  (dest, ino, gen, source))
+            cur = self.db.execute("UPDATE inodes SET obj_tier = ?, stored_bytes = COALESCE(?, stored_bytes) "
+                                  "WHERE id = ? AND obj_gen = ? AND obj_tier = ?",
+                                  (dest, stored_bytes, ino, gen, source))
         return cur.rowcount == 1
 
     def set_pinned(self, inodes: list[int], pinned: bool) -> None:

@@ -64,6 +64,7 @@ HELP = {
     "bytes_written": "logical bytes accepted by write()",
     "bytes_read": "logical bytes returned by read()",
     "checksum_failures": "corrupt objects detected (each dropped from the index)",
+    "key_unavailable": "reads refused because the object is sealed with a key this mount does not hold",
     "errors": "unexpected exceptions answered with EIO",
     "lookup_misses": "lookups of a name that does not exist",
     "uptime_s": "seconds since the mount started",

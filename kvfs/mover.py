@@ -292,24 +292,30 @@ class Mover:
         if dest.shared:
             return await self._publish_locked(row, dest)
         ref = ObjectRef.of_row(row)
-        if ref.stored_bytes > dest.capacity:
+        try:
+            plan = await self.store.copy_plan(ref, dest)  # sealed or opened on the way: another size
+        except Exception as e:
+            self._move_failed(ino, ref, dest, e)
+            return False
+        size = plan.size if plan is not None else ref.stored_bytes
+        if size > dest.capacity:
             return False  # can never be there (a file bigger than L2 stays on L3)
-        if not await self._reserve(dest, ref.stored_bytes):
+        if not await self._reserve(dest, size):
             self.counters.move_failures += 1
-            log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, ref.stored_bytes)
+            log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, size)
             return False
         try:
             await self._reclaim(dest, object_id(ref.ino, ref.gen))
             async with self._slots:  # only the copy: never hold a slot while waiting for room
-                new_ref = await self.store.copy(ref, dest)
+                new_ref = await self.store.copy(ref, dest, plan)
         except Exception as e:
-            self.store.release(dest.name, ref.stored_bytes)
+            self.store.release(dest.name, size)
             self._move_failed(ino, ref, dest, e)
             return False
         except BaseException:
-            self.store.release(dest.name, ref.stored_bytes)
+            self.store.release(dest.name, size)
             raise
-        if not self.index.move_object(ino, ref.gen, ref.tier, dest.name):
+        if not self.index.move_object(ino, ref.gen, ref.tier, dest.name, new_ref.stored_bytes):
             await self.store.delete(new_ref)  # unlinked or evicted meanwhile: the copy is garbage
             return False
         state = self.open_file(ino)
@@ -338,26 +344,32 @@ class Mover:
             if key is None:
                 self._conflicts.add(ino)  # no single path (hard links, odd names): it cannot be shared
                 return False
-            if not await self._reserve(dest, ref.stored_bytes):
+            try:
+                plan = await self.store.copy_plan(ref, dest)  # sealed on the way up: another size
+            except Exception as e:
+                self._move_failed(ino, ref, dest, e)
+                return False
+            size = plan.size if plan is not None else ref.stored_bytes
+            if not await self._reserve(dest, size):
                 return False
             meta = {"kvfs-mode": oct(row["mode"])}
             try:
                 async with self._slots:
                     etag = await self.store.io(dest.name, dest.publish, key, self.store.tiers[ref.tier],
-                                               ref.object_id, ref.stored_bytes, meta, size=ref.stored_bytes)
+                                               ref.object_id, ref.stored_bytes, meta, plan, size=ref.stored_bytes)
             except FileExistsError:
-                self.store.release(dest.name, ref.stored_bytes)
+                self.store.release(dest.name, size)
                 self.counters.publish_conflicts += 1
                 self._conflicts.add(ino)
                 return False
             except Exception as e:
-                self.store.release(dest.name, ref.stored_bytes)
+                self.store.release(dest.name, size)
                 self._move_failed(ino, ref, dest, e)
                 return False
-            if not self.index.publish(ino, ref.gen, ref.tier, dest.name, key, etag):
-                self.store.release(dest.name, ref.stored_bytes)  # rewritten or unlinked meanwhile; what went up
+            if not self.index.publish(ino, ref.gen, ref.tier, dest.name, key, etag, size):
+                self.store.release(dest.name, size)  # rewritten or unlinked meanwhile; what went up
                 return False  # stays published: the first version of that name
-            new_ref = ObjectRef(ino, ref.gen, dest.name, ref.stored_bytes, key)
+            new_ref = ObjectRef(ino, ref.gen, dest.name, size, key)
         state = self.open_file(ino)
         if state is not None:
             state.relocated(new_ref)

@@ -313,6 +313,8 @@ class OpenFile:
         Reads in flight on the old place fail to open it and retry here (_StaleObject)."""
         if self.ref is not None and self.ref.gen == ref.gen:
             layout = self._layout[1] if self._layout is not None and self._layout[0] is self.ref else None
+            if ref.stored_bytes != self.ref.stored_bytes:
+                layout = None  # sealed or opened on the way (kvfs/sealing.py): another frame table
             self.ref = ref
             self._layout = (ref, layout) if layout is not None else None
 
@@ -334,11 +336,11 @@ class OpenFile:
                 layout = await self._layout_of(ref)
                 if i >= len(layout.frames) or layout.frames[i].is_hole:
                     return None
-                return await self._decoded(ref, layout.frames[i], i)
+                return await self._decoded(ref, layout.frames[i], i, layout.cipher)
             except _StaleObject:
                 continue
 
-    async def _decoded(self, ref: ObjectRef, entry: fmt.FrameEntry, i: int):
+    async def _decoded(self, ref: ObjectRef, entry: fmt.FrameEntry, i: int, cipher=None):
         key = (ref.gen, i)
         while True:
             if key in self.cache:
@@ -353,7 +355,7 @@ class OpenFile:
                 raise _StaleObject()
         event = self.inflight[key] = trio.Event()
         try:
-            data = await self.store.read_frame(ref, entry)
+            data = await self.store.read_frame(ref, entry, cipher)
             self.counters.frames_decoded += 1
         except fmt.CorruptObject as e:
             raise self._mark_corrupt(f"frame {i}: {e}") from e
@@ -375,7 +377,7 @@ class OpenFile:
         try:
             layout = await self._layout_of(ref)
             if i < len(layout.frames) and not layout.frames[i].is_hole:
-                await self._decoded(ref, layout.frames[i], i)
+                await self._decoded(ref, layout.frames[i], i, layout.cipher)
         except Exception as e:  # a background task must never take the daemon down; the real read reports
             log.debug("read-ahead of inode %d frame %d: %r", self.ino, i, e)
 
@@ -591,7 +593,7 @@ class OpenFile:
                     if frames[i] is None and i != last:
                         nursery.start_soon(self._encode_into, frames, i, df, length)
                 elif i in reusable and not reusable[i].is_hole:
-                    nursery.start_soon(self._copy_into, frames, i, old, reusable[i])
+                    nursery.start_soon(self._copy_into, frames, i, old, reusable[i], layout.cipher)
                 else:
                     frames[i] = fmt.EncodedFrame.hole(length)
         pending = None
@@ -609,16 +611,15 @@ class OpenFile:
             header = self.policy.header(size, self.frame_size)
             gen = self.next_gen
             self.next_gen += 1
-            new_ref, entries = await self.store.put_frames(self.ino, gen, header, frames, replacing=old,
-                                                           durable=durable, pending=pending,
-                                                           encode=self.policy.encode)
+            new_ref, new_layout = await self.store.put_frames(self.ino, gen, header, frames, replacing=old,
+                                                              durable=durable, pending=pending,
+                                                              encode=self.policy.encode)
             if pending is not None:
                 self.counters.frames_encoded += 1
             self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,
                                      stored_bytes=new_ref.stored_bytes, codec=summary_codec(frames),
                                      transform=transforms.NAMES[header.transform], mtime_ns=mtime,
                                      ctime_ns=self.ctime_ns)
-            new_layout = Layout(header, entries)
             self.store.keep_layout(new_ref, new_layout)  # the next open reads frames without loading the table
         self._publish(new_ref, new_layout, size)
         if old is not None:
@@ -665,10 +666,16 @@ class OpenFile:
         frames[i] = await self.store.cpu(self.policy.encode, memoryview(df.buf)[:length], i * self.frame_size)
         self.counters.frames_encoded += 1
 
-    async def _copy_into(self, frames: list, i: int, ref: ObjectRef, entry: fmt.FrameEntry) -> None:
-        """Reuse a clean frame's compressed bytes as they are (verified, not recompressed)."""
+    async def _copy_into(self, frames: list, i: int, ref: ObjectRef, entry: fmt.FrameEntry, cipher=None) -> None:
+        """Reuse a clean frame's compressed bytes as they are (verified, not recompressed; a sealed one opened:
+        the new object is sealed, or not, where it is placed)."""
         payload = await self.store.read_payload(ref, entry)
-        if not await self.store.cpu(_payload_intact, entry, payload):
+        if entry.is_sealed:
+            try:
+                entry, payload = await self.store.cpu(fmt.open_sealed, entry, payload, cipher)
+            except fmt.CorruptObject as e:
+                raise self._mark_corrupt(f"frame {i}: {e} while re-committing") from e
+        elif not await self.store.cpu(_payload_intact, entry, payload):
             raise self._mark_corrupt(f"frame {i}: payload checksum mismatch while re-committing")
         frames[i] = fmt.EncodedFrame.from_entry(entry, payload)
 

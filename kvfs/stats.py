@@ -40,6 +40,7 @@ class Counters:
     frames_encoded: int = 0
     frames_decoded: int = 0
     checksum_failures: int = 0  # corrupt objects detected (each dropped from the index)
+    key_unavailable: int = 0  # reads refused: the object is sealed with a key this mount does not hold (EIO)
     errors: int = 0  # unexpected exceptions answered with EIO
     lookup_misses: int = 0  # lookups of a name that does not exist (a cache miss: the caller computes or creates it)
     reconcile_orphans_removed: int = 0
@@ -71,6 +72,7 @@ def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int
         tier_docs[t.name] = {
             "path": t.describe(),
             "persistent": t.persistent,
+            "sealed": t.sealed,
             "capacity_bytes": t.capacity,
             "used_bytes": t.used_bytes,
             "files": t.files,

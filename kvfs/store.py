@@ -21,6 +21,7 @@ from typing import TypeVar
 import numpy as np
 import trio
 
+from . import crypto, sealing
 from . import format as fmt
 from .codecs import kernel
 from .index import object_id
@@ -59,6 +60,7 @@ class ObjectRef:
 class Layout:
     header: fmt.Header
     frames: list[fmt.FrameEntry]
+    cipher: object = dataclasses.field(default=None, compare=False, repr=False)  # opens sealed frames, if held
 
 
 Placement = Callable[[int, "ObjectRef | None", bool], Awaitable[Tier]]
@@ -76,6 +78,7 @@ class Store:
         # again, or just promoted by its reader (the copy parses its head), reads without a layout hop.
         self._layouts: collections.OrderedDict[ObjectRef, Layout] = collections.OrderedDict()
         self._layout_frames = 0
+        self.keyring: crypto.KeyRing | None = None  # encryption at rest (kvfs/sealing.py): set by the daemon
 
     async def cpu(self, fn: Callable[..., T], *args) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.codec_limiter)
@@ -146,12 +149,17 @@ class Store:
         frame table."""
         known = header.data_offset + sum(len(f.payload) for f in frames if f is not None)
         bound = known + (len(pending[1]) if pending is not None else 0)
+        if self.keyring is not None:  # room for sealing, should the tier chosen hold sealed objects only
+            bound += fmt.SEALED_EXT.size + 4 + crypto.SEAL_OVERHEAD * len(frames)
         tier = await self.place(bound, replacing, durable)
         oid = object_id(ino, gen)
         charged = bound
+        cipher = None
+        if getattr(tier, "sealed", False):
+            header, cipher = self._sealed_header(header, tier)
         try:
             job = functools.partial(_encode_build_put, tier, oid, header, frames, durable or tier.persistent,
-                                    pending, encode, header.frame_size)
+                                    pending, encode, header.frame_size, cipher)
             if pending is not None and not tier.persistent:
                 entries, size = await self.cpu(job)
             else:
@@ -159,7 +167,7 @@ class Store:
                     i, raw = pending
                     frames[i] = await self.cpu(encode, raw, i * header.frame_size)
                     job = functools.partial(_encode_build_put, tier, oid, header, frames, durable or tier.persistent,
-                                            None, None, header.frame_size)
+                                            None, None, header.frame_size, cipher)
                 entries, size = await self.io(tier.name, job, size=bound)
             tier.used_bytes -= bound - size  # what the charge counted beyond the object's size
             charged = size
@@ -168,27 +176,65 @@ class Store:
             with trio.CancelScope(shield=True):
                 await self.io(tier.name, tier.delete, oid)
             raise
-        return ObjectRef(ino, gen, tier.name, size), entries
+        return ObjectRef(ino, gen, tier.name, size), Layout(header, entries, cipher)
 
-    async def copy(self, ref: ObjectRef, dest: Tier) -> ObjectRef:
-        """Copy an object as it is (no recompression) into `dest`, which the caller has charged; durable where
-        dest is persistent. On failure the partial copy is gone and the error raised."""
+    def _sealed_header(self, header: fmt.Header, tier: Tier) -> tuple[fmt.Header, object]:
+        if self.keyring is None:
+            raise OSError(errno.EIO, f"{tier.name} holds sealed objects only, and no key is loaded")
+        nonce = os.urandom(crypto.NONCE_BYTES)
+        key_id = self.keyring.current.key_id
+        return header.sealed_with(key_id, nonce), self.keyring.cipher(key_id, nonce)
+
+    async def copy_plan(self, ref: ObjectRef, dest: Tier) -> sealing.Transcode | None:
+        """How a move of `ref` into `dest` changes the object (sealed or opened), None if not at all. Its
+        .size is the copy's size: what the caller charges dest for."""
+        if self.keyring is None and not getattr(dest, "sealed", False):
+            return None
+        layout = await self.load_layout(ref)
+        if ref.key is not None and layout.header.sealing is not None:
+            return None  # a published object's local copy stays as published: it may switch back to it
+        return sealing.plan(layout, dest, self.keyring)
+
+    async def copy(self, ref: ObjectRef, dest: Tier, plan: sealing.Transcode | None = None) -> ObjectRef:
+        """Copy an object into `dest`, which the caller has charged: as it is (no recompression), or as
+        `plan` (copy_plan) seals or opens it; durable where dest is persistent. On failure the partial copy is
+        gone and the error raised."""
         source = self.tiers[ref.tier]
         slower = max(source, dest, key=self.order.index)  # the copy waits on the slower tier's I/O
         new_id = object_id(ref.ino, ref.gen)  # a published object's local copy is named like any other
         try:
-            size, layout = await self.io(slower.name, _copy_reading_table, dest, source, ref, new_id,
-                                         size=ref.stored_bytes)
-            if size != ref.stored_bytes:
-                raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
-                                        f"the index says {ref.stored_bytes}")
+            if plan is not None:
+                entries = await self.io(slower.name, sealing.copy, plan, source, ref.object_id, dest, new_id,
+                                        dest.persistent, size=ref.stored_bytes)
+                size, layout = plan.size, self._opened(Layout(plan.header, entries))
+            else:
+                size, layout = await self.io(slower.name, _copy_reading_table, dest, source, ref, new_id,
+                                             size=ref.stored_bytes)
+                if size != ref.stored_bytes:
+                    raise fmt.CorruptObject(f"object {ref.object_id} in {ref.tier} has {size} bytes, "
+                                            f"the index says {ref.stored_bytes}")
+                layout = self._layouts.get(ref) or (self._opened(layout) if layout is not None else None)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.io(dest.name, dest.delete, new_id)
             raise
         new_ref = ObjectRef(ref.ino, ref.gen, dest.name, size)
-        self.keep_layout(new_ref, self._layouts.get(ref) or layout)
+        self.keep_layout(new_ref, layout)
         return new_ref
+
+    def opener(self, header: fmt.Header):
+        """The cipher that opens a sealed object's frames, None for a plain one or a key not held."""
+        return self._opened(Layout(header, [])).cipher
+
+    def _opened(self, layout: Layout) -> Layout:
+        """The layout with the cipher that opens its frames, where the object is sealed and its key held."""
+        sealing_ = layout.header.sealing
+        if sealing_ is None or self.keyring is None or layout.cipher is not None:
+            return layout
+        try:
+            return dataclasses.replace(layout, cipher=self.keyring.cipher(*sealing_))
+        except crypto.KeyUnavailable:
+            return layout  # reads of its frames fail with KeyUnavailable
 
     async def quarantine(self, ref: ObjectRef) -> str | None:
         tier = self.tiers[ref.tier]
@@ -208,6 +254,7 @@ class Store:
         tier = self.tiers[ref.tier]
         layout, read = await self.io(ref.tier, _read_layout, tier, ref)
         self.read_bytes[ref.tier] += read
+        layout = self._opened(layout)
         self.keep_layout(ref, layout)
         return layout
 
@@ -232,17 +279,20 @@ class Store:
         self.read_bytes[ref.tier] += entry.stored_len
         return await self.io(ref.tier, tier.read, ref.object_id, entry.offset, entry.stored_len)
 
-    async def read_frame(self, ref: ObjectRef, entry: fmt.FrameEntry) -> bytes:
-        """Raw bytes of one frame, verified before and after decoding (CorruptObject otherwise)."""
+    async def read_frame(self, ref: ObjectRef, entry: fmt.FrameEntry, cipher=None) -> bytes:
+        """Raw bytes of one frame, verified before and after decoding (CorruptObject otherwise). A sealed frame
+        is opened with `cipher` (its layout's): crypto.KeyUnavailable without it."""
         if entry.is_hole:
             return bytes(entry.raw_len)
+        if entry.is_sealed and cipher is None:
+            raise crypto.KeyUnavailable(f"object {ref.object_id} is sealed with a key this mount does not hold")
         tier = self.tiers[ref.tier]
         if not tier.persistent:
             # a memory-backed tier reads at memory speed: one thread hop instead of two
             self.read_bytes[ref.tier] += entry.stored_len
-            return await self.cpu(_read_and_decode, tier, ref.object_id, entry)
+            return await self.cpu(_read_and_decode, tier, ref.object_id, entry, cipher)
         payload = await self.read_payload(ref, entry)
-        return await self.cpu(fmt.decode_frame, entry, payload)
+        return await self.cpu(fmt.decode_frame, entry, payload, cipher)
 
 
 def credit_for(tier: Tier, replacing: ObjectRef | None) -> int:
@@ -281,13 +331,13 @@ def _copy_reading_table(dest: Tier, source: Tier, ref: ObjectRef, new_id: str) -
 
 def _encode_build_put(tier: Tier, oid: str, header: fmt.Header, frames: list, durable: bool,
                       pending: tuple[int, memoryview] | None, encode: Callable | None,
-                      frame_size: int) -> tuple[list[fmt.FrameEntry], int]:
-    """(In a worker thread) encode the pending frame, if any, lay out the object and write it. Returns its frame
-    table and size."""
+                      frame_size: int, cipher=None) -> tuple[list[fmt.FrameEntry], int]:
+    """(In a worker thread) encode the pending frame, if any, lay out the object (sealed with `cipher`) and
+    write it. Returns its frame table and size."""
     if pending is not None:
         i, raw = pending
         frames[i] = encode(raw, i * frame_size)
-    parts, entries = fmt.build_object(header, frames)
+    parts, entries = fmt.build_object(header, frames, cipher)
     size = sum(len(p) for p in parts)
     written = tier.put(oid, parts, durable)
     if written is not None and written != size:  # a tier that reports its size must have written it all
@@ -295,13 +345,14 @@ def _encode_build_put(tier: Tier, oid: str, header: fmt.Header, frames: list, du
     return entries, size
 
 
-def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry) -> bytes | memoryview:
+def _read_and_decode(tier: Tier, oid: str, entry: fmt.FrameEntry, cipher=None) -> bytes | memoryview:
     """One frame of an object in a memory tier, read, verified and decoded. Where the codec kernel decodes
     the frame (entropy, zstd, stored raw), the whole of it — pread, both checksums, decode — runs in one C call
-    without the GIL (kvfs_read_frames, as kvfs.direct does), into a fresh buffer that is never changed after."""
+    without the GIL (kvfs_read_frames, as kvfs.direct does), into a fresh buffer that is never changed after.
+    A sealed frame is opened in Python first."""
     path = tier.local_path(oid)
-    if path is None or entry.is_hole:
-        return fmt.decode_frame(entry, tier.read(oid, entry.offset, entry.stored_len))
+    if path is None or entry.is_hole or entry.is_sealed:
+        return fmt.decode_frame(entry, tier.read(oid, entry.offset, entry.stored_len), cipher)
     tier.check_readable(oid)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

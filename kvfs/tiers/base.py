@@ -40,6 +40,7 @@ class Tier(abc.ABC):
         self.files = 0
 
     deadline_s: float | None = None  # remote tiers: the longest one call may take, retries included
+    sealed = False  # holds sealed objects only ([encryption] tiers; kvfs/sealing.py)
     shared = False  # one namespace with other mounts (an S3 prefix in shared mode): files published by path
     # Why this process must not write or delete here (a private L4 not claimed, or taken over by another
     # mount: kvfs/owner.py), or None. Reads go on: objects are verified by their checksums.

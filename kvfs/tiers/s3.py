@@ -133,13 +133,18 @@ class S3Tier(Tier):
         return f"{self._base}{hash_shard(object_id):02x}/{object_id}"
 
     # -- the shared namespace (location.shared) ------------------------------------------------------------
-    def publish(self, object_id: str, source: Tier, source_id: str, size: int, meta: dict[str, str]) -> str:
-        """Upload a file under its path id if no one has (If-None-Match: *). Returns the ETag; FileExistsError
-        when another node published that name first."""
+    def publish(self, object_id: str, source: Tier, source_id: str, size: int, meta: dict[str, str],
+                transcode=None) -> str:
+        """Upload a file under its path id if no one has (If-None-Match: *), sealed on the way by `transcode`
+        (kvfs/sealing.py) when given. Returns the ETag; FileExistsError when another node published that name
+        first."""
         self.check_writable()
         body = b"".join(source.chunks(source_id, size))
         if len(body) != size:
             raise fmt.CorruptObject(f"object {source_id} in {source.name} is shorter than {size} bytes")
+        if transcode is not None:
+            from ..sealing import transcode_body
+            body = transcode_body(transcode, body)
         try:
             answer = self.client.put_object(Bucket=self.location.bucket, Key=self._key(object_id), Body=body,
                                             Metadata={**_metadata(body), **meta}, IfNoneMatch="*")

@@ -1,0 +1,154 @@
+"""Which objects are sealed where, and the copies that seal or open them on the way between tiers.
+
+A tier listed in `[encryption] tiers` holds only sealed objects (docs/format.md, "Sealed frames"): an object
+is sealed when it is built for such a tier, or when a move copies it into one. A move into a tier that is not
+listed opens it again (so direct reads and the codec kernel's fast path serve it there), when the key is
+held; otherwise it stays sealed, and reads it cannot open are misses.
+
+A sealing copy is streamed: the copy's frame table comes first, and it holds every sealed payload's checksum,
+so the payloads are sealed once to fill the table, and again while written. Objects up to KEEP_LIMIT keep
+the first pass's bytes instead (GCM with the same key and nonce gives the same bytes: the second pass is
+checked against the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+from collections.abc import Iterator
+
+from . import crypto
+from . import format as fmt
+from .tiers import Tier
+
+KEEP_LIMIT = 64 << 20
+
+
+class Layout:  # what the copy needs of kvfs.store.Layout (not imported: the store imports this module)
+    header: fmt.Header
+    frames: list[fmt.FrameEntry]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcode:
+    """A copy that seals (`cipher_out`) or opens (`cipher_in`) every payload of `source`."""
+
+    source: Layout
+    header: fmt.Header  # the copy's
+    cipher_in: object | None
+    cipher_out: object | None
+
+    @property
+    def size(self) -> int:
+        delta = crypto.SEAL_OVERHEAD if self.cipher_out is not None else -crypto.SEAL_OVERHEAD
+        return self.header.data_offset + sum(e.stored_len + delta for e in self.source.frames if not e.is_hole)
+
+
+def plan(layout: Layout, dest: Tier, ring: crypto.KeyRing | None) -> Transcode | None:
+    """How a copy of the object into `dest` must change it; None: copied as it is."""
+    sealing = layout.header.sealing
+    if getattr(dest, "sealed", False) and sealing is None:
+        if ring is None:
+            raise OSError(errno.EIO, f"{dest.name} holds sealed objects only, and no key is loaded")
+        nonce = os.urandom(crypto.NONCE_BYTES)
+        header = layout.header.sealed_with(ring.current.key_id, nonce)
+        return Transcode(layout, header, None, ring.cipher(ring.current.key_id, nonce))
+    if not getattr(dest, "sealed", False) and sealing is not None and ring is not None:
+        try:
+            cipher = ring.cipher(*sealing)
+        except crypto.KeyUnavailable:
+            return None  # copied sealed: still unreadable here, and no less safe
+        return Transcode(layout, layout.header.unsealed(), cipher, None)
+    return None
+
+
+def copy(t: Transcode, source: Tier, object_id: str, dest: Tier, new_id: str,
+         durable: bool) -> list[fmt.FrameEntry]:
+    """(In a worker thread) write the transcoded copy of `object_id` into `dest` as `new_id`; its frame table
+    (its header is t.header)."""
+    entries, kept = _first_pass(t, source, object_id)
+    written = dest.put(new_id, _second_pass(t, source, object_id, entries, kept), durable)
+    if written is not None and written != t.size:
+        raise OSError(errno.EIO, f"object {new_id}: {written} bytes written, {t.size} laid out")
+    return entries
+
+
+def transcode_body(t: Transcode, body: bytes) -> bytes:
+    """The transcoded copy of an object held in memory (a publish uploads one body)."""
+    view = memoryview(body)
+    frames, offset = [], t.header.data_offset
+    for e in t.source.frames:
+        frames.append(_frame_out(t, e, view[e.offset:e.offset + e.stored_len], offset))
+        offset += len(frames[-1].payload)
+    entries = _entries(t, frames)
+    return b"".join([fmt.pack_head(t.header, entries), *(f.payload for f in frames if f.payload)])
+
+
+def _first_pass(t: Transcode, source: Tier, object_id: str) -> tuple[list[fmt.FrameEntry], list[bytes] | None]:
+    frames, kept, total = [], [], 0
+    offset = t.header.data_offset
+    for e in t.source.frames:
+        f = _frame_out(t, e, _payload(source, object_id, e), offset)
+        offset += len(f.payload)
+        total += len(f.payload)
+        if kept is not None and total <= KEEP_LIMIT:
+            kept.append(f.payload)
+        else:
+            kept = None
+        frames.append(dataclasses.replace(f, payload=b"") if kept is None else f)
+    entries = []
+    offset = t.header.data_offset
+    for e, f in zip(t.source.frames, frames):
+        size = 0 if f.is_hole else e.stored_len + (crypto.SEAL_OVERHEAD if t.cipher_out is not None
+                                                   else -crypto.SEAL_OVERHEAD)
+        entries.append(fmt.FrameEntry(offset, size, f.raw_len, f.codec, f.transform, f.flags, f.stored_xxh3,
+                                      f.raw_xxh3))
+        offset += size
+    return entries, kept
+
+
+def _second_pass(t: Transcode, source: Tier, object_id: str, entries: list[fmt.FrameEntry],
+                 kept: list[bytes] | None) -> Iterator[bytes]:
+    yield fmt.pack_head(t.header, entries)
+    if kept is not None:
+        yield from (p for p in kept if p)
+        return
+    for e, out in zip(t.source.frames, entries):
+        if e.is_hole:
+            continue
+        f = _frame_out(t, e, _payload(source, object_id, e), out.offset)
+        if f.stored_xxh3 != out.stored_xxh3 or len(f.payload) != out.stored_len:
+            raise fmt.CorruptObject(f"object {object_id} changed while it was copied")
+        yield f.payload
+
+
+def _entries(t: Transcode, frames: list[fmt.EncodedFrame]) -> list[fmt.FrameEntry]:
+    entries, offset = [], t.header.data_offset
+    for f in frames:
+        entries.append(f.entry_at(offset))
+        offset += len(f.payload)
+    return entries
+
+
+def _frame_out(t: Transcode, e: fmt.FrameEntry, payload, offset: int | None = None) -> fmt.EncodedFrame:
+    """Frame `e` of the source as the copy holds it, for payload offset `offset` of the copy."""
+    if e.is_hole:
+        return fmt.EncodedFrame.hole(e.raw_len)
+    if t.cipher_in is not None:
+        plain_entry, plain = fmt.open_sealed(e, payload, t.cipher_in)
+        return fmt.EncodedFrame.from_entry(plain_entry, plain)
+    if len(payload) != e.stored_len or fmt.xxh3(payload) != e.stored_xxh3:
+        raise fmt.CorruptObject("frame payload checksum mismatch")  # sealed, it would pass for good bytes
+    if offset is None:
+        raise ValueError("a sealed frame needs its offset")
+    return fmt.seal_frame(fmt.EncodedFrame.from_entry(e, bytes(payload)), offset, t.cipher_out)
+
+
+def _payload(source: Tier, object_id: str, e: fmt.FrameEntry) -> bytes:
+    if e.is_hole:
+        return b""
+    data = source.read(object_id, e.offset, e.stored_len)
+    if len(data) != e.stored_len:
+        raise fmt.CorruptObject(f"object {object_id} shorter than its frame table says")
+    return data
