@@ -198,8 +198,8 @@ class Adopter:
     def offer(self, ino: int) -> bytes:
         """The answer to getxattr(dir, user.kvfs.staging): how new files there are encoded, and where to stage."""
         tier = self.staging_tier()
-        if tier is None:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        if tier is None or self.ops.store.tenants.of_inode(self.ops.index, ino) is not None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)  # a tenant's files are sealed with its key, which writers lack
         if self._staging_made != tier.staging_dir or not tier.staging_dir.is_dir():
             self._staging_made = tier.make_staging_dir()
         lossy = self.ops.index.get_xattr(ino, XA_LOSSY)
@@ -227,6 +227,8 @@ class Adopter:
         ops = self.ops
         xattrs = self._checked_xattrs(req.xattrs)
         self._check_directory(parent, req.name)
+        if ops.store.tenants.of_inode(ops.index, parent) is not None:
+            raise AdoptRefused(errno.EOPNOTSUPP, "a tenant directory: its files are sealed with the tenant's key")
         self._target(parent, req)  # refuse early what the final check would refuse
         fd, size = open_staged(staged, ctx.uid)
         try:

@@ -77,10 +77,13 @@ def main() -> None:
               help="encryption at rest: a file of 32 random bytes, mode 0600 (or KVFS_KEY=64 hex digits)")
 @click.option("--old-key-file", "old_key_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="a rotated-out key whose objects stay readable (repeatable)")
+@click.option("--tenant-key", "tenant_keys", multiple=True, metavar="DIR=KEYFILE[,OLD...]",
+              help="a directory (relative to the mount) whose files are sealed in every tier with a key of its own "
+                   "(repeatable); deleting that key shreds them")
 @click.option("--encrypt", metavar="TIERS",
               help="tiers that hold sealed objects only, e.g. L4 (the default with a key), L3,L4, or none")
 def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_takeover, force, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
-          log_file, debug, metrics_port, metrics_address, key_file, old_key_files, encrypt):
+          log_file, debug, metrics_port, metrics_address, key_file, old_key_files, tenant_keys, encrypt):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
@@ -90,7 +93,8 @@ def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_take
                            debug=debug, log_file=log_file, metrics_port=metrics_port,
                            metrics_address=metrics_address,
                            l4_takeover="force" if force else "expired" if l4_takeover else None,
-                           key_file=key_file, old_key_files=old_key_files, encrypt=encrypt)
+                           key_file=key_file, old_key_files=old_key_files, encrypt=encrypt,
+                           tenant_keys=tenant_keys)
         if cfg.encryption.enabled:
             from .daemon import load_keyring
 

@@ -131,10 +131,12 @@ class EncryptionConfig:
     key_file: Path | None = None  # the current key: new objects are sealed with it
     old_key_files: tuple[Path, ...] = ()  # rotated-out keys: objects sealed with them stay readable
     tiers: tuple[str, ...] = ()  # names of the tiers that seal, a suffix of the tier order
+    # tenant directories (relative to the mount's root) with keys of their own: (dir, (current, older…))
+    tenant_keys: tuple[tuple[str, tuple[Path, ...]], ...] = ()
 
     @property
     def enabled(self) -> bool:
-        return self.key_file is not None or bool(self.tiers)
+        return self.key_file is not None or bool(self.tiers) or bool(self.tenant_keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +328,7 @@ def build_config(
     key_file: str | Path | None = None,
     old_key_files: tuple[str | Path, ...] = (),
     encrypt: str | None = None,
+    tenant_keys: tuple[str, ...] = (),
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
     toml = load_toml(Path(config_file)) if config_file else {}
@@ -378,7 +381,7 @@ def build_config(
     if adopt_verify not in ADOPT_VERIFY:
         raise ConfigError(f"adopt_verify must be one of {', '.join(ADOPT_VERIFY)}, got {adopt_verify!r}")
     encryption = _encryption_config(toml.get("encryption", {}), key_file, old_key_files, encrypt,
-                                    [t for t in (l2_tier, l3_tier, l4_tier) if t is not None])
+                                    [t for t in (l2_tier, l3_tier, l4_tier) if t is not None], tenant_keys)
     lfile = log_file or mount_t.get("log_file")
     port = _metrics_port(metrics_port if metrics_port is not None else mount_t.get("metrics_port"))
     return Config(
@@ -409,10 +412,11 @@ def build_config(
 
 
 def _encryption_config(section: dict, key_file, old_key_files, encrypt: str | None,
-                       tiers: list[TierConfig]) -> EncryptionConfig:
+                       tiers: list[TierConfig], tenant_specs: tuple[str, ...] = ()) -> EncryptionConfig:
     """Keys from --key-file (or [encryption] key_file, or KVFS_KEY at mount); sealed tiers from --encrypt (or
-    [encryption] tiers): by default L4 alone, what leaves the host, once a key is given."""
-    unknown = set(section) - {"key_file", "old_key_files", "tiers"}
+    [encryption] tiers): by default L4 alone, what leaves the host, once a key is given. Tenant directories
+    with keys of their own from --tenant-key DIR=FILE[,OLD…] (or [encryption.tenants] DIR = FILE | [FILE, OLD…])."""
+    unknown = set(section) - {"key_file", "old_key_files", "tiers", "tenants"}
     if unknown:
         raise ConfigError(f"unknown keys in [encryption]: {sorted(unknown)}")
     key = key_file or section.get("key_file")
@@ -439,7 +443,27 @@ def _encryption_config(section: dict, key_file, old_key_files, encrypt: str | No
     if old and not keyed:
         raise ConfigError("old key files without a current key")
     return EncryptionConfig(Path(key).expanduser() if key is not None else None, old,
-                            tuple(n for n in names if n in sealed))
+                            tuple(n for n in names if n in sealed), _tenant_keys(section.get("tenants", {}), tenant_specs))
+
+
+def _tenant_keys(table: dict, specs: tuple[str, ...]) -> tuple[tuple[str, tuple[Path, ...]], ...]:
+    entries: dict[str, list] = {}
+    for directory, files in table.items():
+        entries[directory] = files if isinstance(files, list) else [files]
+    for spec in specs:
+        directory, sep, files = spec.partition("=")
+        if not sep or not files:
+            raise ConfigError(f"--tenant-key must be DIR=KEYFILE[,OLDKEYFILE…], got {spec!r}")
+        entries[directory] = files.split(",")
+    out = []
+    for directory, files in entries.items():
+        parts = [p for p in str(directory).split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise ConfigError(f"tenant directory {directory!r} must be a path inside the mount, e.g. tenants/acme")
+        if not files or not all(isinstance(f, str) and f for f in files):
+            raise ConfigError(f"tenant directory {directory!r}: key files must be paths")
+        out.append(("/".join(parts), tuple(Path(f).expanduser() for f in files)))
+    return tuple(sorted(out))
 
 
 def _l4_lease(section: dict) -> float:

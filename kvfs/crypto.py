@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
@@ -112,14 +112,22 @@ def write_key_file(path: str | os.PathLike) -> Key:
 
 
 class KeyRing:
-    """The keys a mount seals with (`current`) and opens with (current and the older, listed ones)."""
+    """The keys a mount seals with and opens with: a default key (`current`, the one for sealed tiers) and
+    each tenant directory's own key, with the older, rotated-out keys of either, by key id."""
 
-    def __init__(self, current: Key, older: Iterable[Key] = ()) -> None:
+    def __init__(self, current: Key | None, older: Iterable[Key] = (),
+                 tenants: Mapping[str, Sequence[Key]] | None = None) -> None:
         self.current = current
+        self.tenants = {name: keys[0] for name, keys in (tenants or {}).items()}  # tenant → its current key
         self.by_id: dict[bytes, Key] = {}
-        for key in (current, *older):
+        for key in (*([current] if current else []), *older,
+                    *(k for keys in (tenants or {}).values() for k in keys)):
             self.by_id.setdefault(key.key_id, key)
         self._ciphers: dict[tuple[bytes, bytes], AESGCM] = {}
+
+    def sealing_key(self, tenant: str | None) -> Key | None:
+        """The key new objects are sealed with: the tenant's own, else the default one."""
+        return self.tenants.get(tenant, self.current) if tenant is not None else self.current
 
     def cipher(self, key_id: bytes, nonce: bytes) -> AESGCM:
         """The working cipher of one object; KeyUnavailable when its key is not listed here."""
@@ -136,8 +144,9 @@ class KeyRing:
         return cipher
 
     def describe(self) -> list[dict]:
-        return [{"key_id": k.key_id.hex(), "source": k.source, "current": k is self.current}
-                for k in self.by_id.values()]
+        tenant_of = {k.key_id: name for name, k in self.tenants.items()}
+        return [{"key_id": k.key_id.hex(), "source": k.source, "current": k is self.current or k.key_id in tenant_of,
+                 **({"tenant": tenant_of[k.key_id]} if k.key_id in tenant_of else {})} for k in self.by_id.values()]
 
 
 def seal(cipher: AESGCM, offset: int, aad: bytes, raw_xxh3: int, payload) -> bytes:

@@ -28,6 +28,7 @@ from .index import Index
 from .locks import InodeLocks
 from .mover import Mover
 from .reconcile import reconcile
+from .sealing import Tenants
 from .shared import SharedNamespace
 from .stats import Counters
 from .store import Store
@@ -118,6 +119,7 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     qat_codec = _load_qat() if config.codec == "qat" else None
     store = Store(tiers)
     store.keyring = load_keyring(config)
+    store.tenants = Tenants(d for d, _ in config.encryption.tenant_keys)
     for tier in tiers:
         tier.sealed = tier.name in config.encryption.tiers
     locks = InodeLocks()
@@ -165,9 +167,10 @@ def load_keyring(config: Config) -> crypto.KeyRing | None:
     enc = config.encryption
     try:
         current = crypto.load_key_file(enc.key_file) if enc.key_file is not None else crypto.key_from_env()
-        if current is None:
+        tenants = {d: [crypto.load_key_file(p) for p in files] for d, files in enc.tenant_keys}
+        if current is None and not tenants:
             return None
-        return crypto.KeyRing(current, [crypto.load_key_file(p) for p in enc.old_key_files])
+        return crypto.KeyRing(current, [crypto.load_key_file(p) for p in enc.old_key_files], tenants)
     except crypto.KeyError_ as e:
         raise ConfigError(str(e)) from None
 

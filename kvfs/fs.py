@@ -736,6 +736,8 @@ class Operations(pyfuse3.Operations):
         ref = ObjectRef.of_row(row)
         if ref is None or (state is not None and (state.modified or state.corrupt)):
             raise _err(pyfuse3.ENOATTR)
+        if self.store.tenants.of_inode(self.index, ino) is not None:
+            raise _err(pyfuse3.ENOATTR)  # sealed with its tenant's key, which only the mount holds
         path = self.store.tiers[ref.tier].local_path(ref.object_id)
         if path is None and self._read_through(ref) and self.mover.note_read(ino, ref.tier):
             self.index.note_access(ino)

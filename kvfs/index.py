@@ -394,6 +394,10 @@ class Index:
                 "transform = ?, mtime_ns = ?, ctime_ns = MAX(ctime_ns, ?), last_access_ns = ? WHERE id = ?",
                 (gen, tier, size, stored_bytes, codec, transform, mtime_ns, ctime_ns or mtime_ns, time.time_ns(), ino))
 
+    def names_of(self, ino: int) -> list[tuple[int, bytes]]:
+        """Every (parent, name) of an inode."""
+        return [(r[0], r[1]) for r in self.db.execute("SELECT parent, name FROM entries WHERE inode = ?", (ino,))]
+
     def path_of(self, ino: int) -> list[bytes] | None:
         """The names from the root to a file with exactly one name (hard links have no one path)."""
         parts: list[bytes] = []

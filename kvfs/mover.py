@@ -293,7 +293,7 @@ class Mover:
             return await self._publish_locked(row, dest)
         ref = ObjectRef.of_row(row)
         try:
-            plan = await self.store.copy_plan(ref, dest)  # sealed or opened on the way: another size
+            plan = await self.store.copy_plan(ref, dest, self.store.tenants.of_inode(self.index, ino))  # sealed or opened on the way: another size
         except Exception as e:
             self._move_failed(ino, ref, dest, e)
             return False
@@ -345,7 +345,7 @@ class Mover:
                 self._conflicts.add(ino)  # no single path (hard links, odd names): it cannot be shared
                 return False
             try:
-                plan = await self.store.copy_plan(ref, dest)  # sealed on the way up: another size
+                plan = await self.store.copy_plan(ref, dest, self.store.tenants.of_inode(self.index, ino))  # sealed on the way up: another size
             except Exception as e:
                 self._move_failed(ino, ref, dest, e)
                 return False

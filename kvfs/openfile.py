@@ -613,7 +613,8 @@ class OpenFile:
             self.next_gen += 1
             new_ref, new_layout = await self.store.put_frames(self.ino, gen, header, frames, replacing=old,
                                                               durable=durable, pending=pending,
-                                                              encode=self.policy.encode)
+                                                              encode=self.policy.encode,
+                                                              tenant=self.store.tenants.of_inode(self.index, self.ino))
             if pending is not None:
                 self.counters.frames_encoded += 1
             self.index.switch_object(self.ino, gen=gen, tier=new_ref.tier, size=size,

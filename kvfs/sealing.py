@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from . import crypto
 from . import format as fmt
@@ -45,22 +45,57 @@ class Transcode:
         return self.header.data_offset + sum(e.stored_len + delta for e in self.source.frames if not e.is_hole)
 
 
-def plan(layout: Layout, dest: Tier, ring: crypto.KeyRing | None) -> Transcode | None:
-    """How a copy of the object into `dest` must change it; None: copied as it is."""
+class Tenants:
+    """Tenant directories with keys of their own ([encryption] tenant keys): a file below one is sealed with
+    its key in every tier, so that deleting the key shreds the tenant's files everywhere, and no one else's."""
+
+    def __init__(self, directories: Iterable[str]) -> None:
+        self.prefixes = sorted((tuple(d.encode().split(b"/")) for d in directories), key=len, reverse=True)
+
+    def of_path(self, parts: Sequence[bytes]) -> str | None:
+        for prefix in self.prefixes:  # the deepest tenant directory holding the path
+            if tuple(parts[:len(prefix)]) == prefix:
+                return b"/".join(prefix).decode()
+        return None
+
+    def of_inode(self, index, ino: int) -> str | None:
+        """The tenant of a file or directory by any of its names (one that is a tenant's decides); None for none,
+        or for a file with no name left (unlinked, still open)."""
+        if not self.prefixes:
+            return None
+        for parent, name in index.names_of(ino):
+            parent_parts = index.path_of(parent)
+            if parent_parts is not None and (tenant := self.of_path([*parent_parts, name])) is not None:
+                return tenant
+        return None
+
+
+def plan(layout: Layout, dest: Tier, ring: crypto.KeyRing | None, tenant: str | None = None) -> Transcode | None:
+    """How a copy of the object into `dest` must change it; None: copied as it is. A tenant's file is sealed
+    with the tenant's key wherever it goes (and never opened on the way)."""
     sealing = layout.header.sealing
+    tenant_key = ring.tenants.get(tenant) if ring is not None and tenant is not None else None
+    if tenant_key is not None:
+        return _seal_plan(layout, tenant_key) if sealing is None else None
     if getattr(dest, "sealed", False) and sealing is None:
-        if ring is None:
+        if ring is None or ring.current is None:
             raise OSError(errno.EIO, f"{dest.name} holds sealed objects only, and no key is loaded")
-        nonce = os.urandom(crypto.NONCE_BYTES)
-        header = layout.header.sealed_with(ring.current.key_id, nonce)
-        return Transcode(layout, header, None, ring.cipher(ring.current.key_id, nonce))
+        return _seal_plan(layout, ring.current, ring)
     if not getattr(dest, "sealed", False) and sealing is not None and ring is not None:
+        if sealing[0] in {k.key_id for k in ring.tenants.values()}:
+            return None  # a tenant's object (moved out of its directory?) stays sealed with its key
         try:
             cipher = ring.cipher(*sealing)
         except crypto.KeyUnavailable:
             return None  # copied sealed: still unreadable here, and no less safe
         return Transcode(layout, layout.header.unsealed(), cipher, None)
     return None
+
+
+def _seal_plan(layout: Layout, key: crypto.Key, ring: crypto.KeyRing | None = None) -> Transcode:
+    nonce = os.urandom(crypto.NONCE_BYTES)
+    cipher = ring.cipher(key.key_id, nonce) if ring is not None else key.object_cipher(nonce)
+    return Transcode(layout, layout.header.sealed_with(key.key_id, nonce), None, cipher)
 
 
 def copy(t: Transcode, source: Tier, object_id: str, dest: Tier, new_id: str,

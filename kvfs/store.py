@@ -79,6 +79,7 @@ class Store:
         self._layouts: collections.OrderedDict[ObjectRef, Layout] = collections.OrderedDict()
         self._layout_frames = 0
         self.keyring: crypto.KeyRing | None = None  # encryption at rest (kvfs/sealing.py): set by the daemon
+        self.tenants = sealing.Tenants(())  # directories whose files are sealed with keys of their own
 
     async def cpu(self, fn: Callable[..., T], *args) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.codec_limiter)
@@ -140,7 +141,7 @@ class Store:
 
     async def put_frames(self, ino: int, gen: int, header: fmt.Header, frames: list, replacing: ObjectRef | None,
                          durable: bool, pending: tuple[int, memoryview] | None = None,
-                         encode: Callable | None = None) -> tuple[ObjectRef, list[fmt.FrameEntry]]:
+                         encode: Callable | None = None, tenant: str | None = None) -> tuple[ObjectRef, Layout]:
         """Lay out and write a new object from its encoded frames, in one worker-thread hop. `pending`
         (index, raw bytes) is a frame still to encode with `encode(raw, offset)`: in a memory tier it is encoded
         in that same hop, under the codec limiter (a memory tier writes at memory speed), else first, in its
@@ -155,8 +156,9 @@ class Store:
         oid = object_id(ino, gen)
         charged = bound
         cipher = None
-        if getattr(tier, "sealed", False):
-            header, cipher = self._sealed_header(header, tier)
+        tenant_key = self.keyring.tenants.get(tenant) if self.keyring is not None and tenant is not None else None
+        if tenant_key is not None or getattr(tier, "sealed", False):
+            header, cipher = self._sealed_header(header, tier, tenant_key)
         try:
             job = functools.partial(_encode_build_put, tier, oid, header, frames, durable or tier.persistent,
                                     pending, encode, header.frame_size, cipher)
@@ -178,14 +180,14 @@ class Store:
             raise
         return ObjectRef(ino, gen, tier.name, size), Layout(header, entries, cipher)
 
-    def _sealed_header(self, header: fmt.Header, tier: Tier) -> tuple[fmt.Header, object]:
-        if self.keyring is None:
+    def _sealed_header(self, header: fmt.Header, tier: Tier, key: crypto.Key | None) -> tuple[fmt.Header, object]:
+        key = key or (self.keyring.current if self.keyring is not None else None)
+        if key is None:
             raise OSError(errno.EIO, f"{tier.name} holds sealed objects only, and no key is loaded")
         nonce = os.urandom(crypto.NONCE_BYTES)
-        key_id = self.keyring.current.key_id
-        return header.sealed_with(key_id, nonce), self.keyring.cipher(key_id, nonce)
+        return header.sealed_with(key.key_id, nonce), self.keyring.cipher(key.key_id, nonce)
 
-    async def copy_plan(self, ref: ObjectRef, dest: Tier) -> sealing.Transcode | None:
+    async def copy_plan(self, ref: ObjectRef, dest: Tier, tenant: str | None = None) -> sealing.Transcode | None:
         """How a move of `ref` into `dest` changes the object (sealed or opened), None if not at all. Its
         .size is the copy's size: what the caller charges dest for."""
         if self.keyring is None and not getattr(dest, "sealed", False):
@@ -193,7 +195,7 @@ class Store:
         layout = await self.load_layout(ref)
         if ref.key is not None and layout.header.sealing is not None:
             return None  # a published object's local copy stays as published: it may switch back to it
-        return sealing.plan(layout, dest, self.keyring)
+        return sealing.plan(layout, dest, self.keyring, tenant)
 
     async def copy(self, ref: ObjectRef, dest: Tier, plan: sealing.Transcode | None = None) -> ObjectRef:
         """Copy an object into `dest`, which the caller has charged: as it is (no recompression), or as

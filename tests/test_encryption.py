@@ -172,3 +172,42 @@ def test_key_from_the_environment(make_mount, monkeypatch):
     settle(m, m.path("f"), "L3")
     assert not objects_holding(m.l3, PATTERN)
     assert m.path("f").read_bytes() == canary(1 << 20)
+
+
+def needle(seed: int) -> bytes:
+    return PATTERN + b"00000000-%04d;" % seed
+
+
+def test_tenant_keys_seal_in_every_tier_and_deleting_one_shreds_only_that_tenant(make_mount, tmp_path):
+    """Tenant directories with keys of their own: their files are sealed in L2 already (L3 seals the rest with
+    the default key); each tenant's objects carry its key id; a remount without one tenant's key makes that
+    tenant's files unreadable (EIO) in every tier, and no one else's."""
+    from kvfs import direct
+
+    k, ka, kb = key_file(tmp_path, "default"), key_file(tmp_path, "acme"), key_file(tmp_path, "beta")
+    tenants = ["--tenant-key", f"tenants/acme={ka}", "--tenant-key", f"tenants/beta={kb}"]
+    m = make_mount().start("--codec", "none", "--key-file", str(k), "--encrypt", "L3", *tenants)
+    for d in ("tenants/acme/ab", "tenants/beta", "open"):
+        m.path(d).mkdir(parents=True)
+    files = {"tenants/acme/ab/x.kv": 1, "tenants/beta/y.kv": 2, "open/z.kv": 3}
+    for name, seed in files.items():
+        assert direct.write_file(m.path(name), canary(2 << 20, seed)) is (name == "open/z.kv")
+    assert not objects_holding(m.l2, needle(1)) and not objects_holding(m.l2, needle(2))
+    assert objects_holding(m.l2, needle(3))  # L2 is not sealed for files outside tenant directories
+    assert direct.read_file(m.path("tenants/acme/ab/x.kv")) == (canary(2 << 20, 1), False)
+    for name in files:
+        settle(m, m.path(name), "L3")
+    assert not any(objects_holding(m.l3, needle(s)) for s in files.values())
+    ids = {fmt.parse_header(p.read_bytes()).sealing[0] for p in m.objects("L3")}
+    assert ids == {crypto.load_key_file(p).key_id for p in (k, ka, kb)}
+    settle(m, m.path("tenants/acme/ab/x.kv"), "L2")  # promoted: a tenant's file stays sealed
+    assert not objects_holding(m.l2, needle(1))
+    m.stop()
+
+    m.start("--codec", "none", "--key-file", str(k), "--encrypt", "L3", "--tenant-key", f"tenants/beta={kb}")
+    m.expect_log(r"sealed with key .* which this mount does not hold")
+    with pytest.raises(OSError) as err:
+        m.path("tenants/acme/ab/x.kv").read_bytes()  # in L2, sealed with the deleted key
+    assert err.value.errno == errno.EIO
+    assert m.path("tenants/beta/y.kv").read_bytes() == canary(2 << 20, 2)
+    assert m.path("open/z.kv").read_bytes() == canary(2 << 20, 3)
