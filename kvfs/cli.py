@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -262,6 +263,14 @@ def stat_cmd(mountpoint, as_json):
                                + f", {_human(t['bytes_uploaded'])} up, {_human(t['bytes_downloaded'])} down, "
                                f"{t['failures']} failures, circuit {t['breaker']}"
                                for name, t in doc["tiers"].items() if "requests" in t))
+    if doc.get("quotas"):
+        quota_table = Table(title="quotas")
+        for col in ("directory", "tier", "used", "quota", "use %"):
+            quota_table.add_column(col, justify="left" if col in ("directory", "tier") else "right")
+        for q in doc["quotas"]:
+            for tier, limit in q["limits"].items():
+                used = q["used"].get(tier, 0)
+                quota_table.add_row(q["path"], tier, _human(used), _human(limit), f"{100 * used / limit:.1f}")
     counters = Table(show_header=False, title="counters")
     for key in ("bytes_written", "bytes_read", "direct_reads", "direct_bytes", "commits", "commit_failures",
                 "checksum_failures", "errors", "open_files", "dirty_bytes", "compression_ratio"):
@@ -269,7 +278,49 @@ def stat_cmd(mountpoint, as_json):
         counters.add_row(key, _human(value) if key.startswith(("bytes", "dirty", "direct_bytes")) else str(value))
     console = _table_console()
     console.print(tiers)
+    if doc.get("quotas"):
+        console.print(quota_table)
     console.print(counters)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("size", required=False, metavar="[SIZE|TIER=SIZE,...|none]")
+def quota(directory, size):
+    """Show or set the quota of a directory in a kvfs mount: the stored bytes of the files below it, per tier
+    (a bare SIZE bounds the fastest tier, L2). Over it, its own least recently used files move out first."""
+    from .quotas import XA_QUOTA
+
+    try:
+        if size is not None:
+            os.setxattr(directory, XA_QUOTA, size.encode())
+        try:
+            value = os.getxattr(directory, XA_QUOTA).decode()
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                raise
+            value = "none"
+    except OSError as e:
+        why = "not a valid quota (e.g. 4G, or L2=4G,L3=100G, or none)" if e.errno == errno.EINVAL else e.strerror
+        raise click.ClickException(f"{directory}: {why}") from None
+    used = ""
+    try:
+        mount = _mount_of(directory)
+        doc = json.loads((mount / ".kvfs" / "stats").read_bytes())
+        rel = str(directory.resolve().relative_to(mount))
+        for q in doc.get("quotas", []):
+            if q["path"] == rel:
+                used = "; used " + ", ".join(f"{t} {_human(q['used'].get(t, 0))}" for t in q["limits"])
+    except (OSError, ValueError):
+        pass
+    click.echo(f"{directory}: quota {value}{used}")
+
+
+def _mount_of(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 # wider than any table we print: off a terminal, tables take their natural width

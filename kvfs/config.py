@@ -164,6 +164,7 @@ class Config:
     direct_writes: bool = True  # offer writers a staging directory (kvfs/staging.py, docs/direct.md)
     adopt_verify: str = "checksums"  # what adopting a staged object checks: ADOPT_VERIFY
     encryption: EncryptionConfig = EncryptionConfig()
+    quotas: tuple[tuple[str, str], ...] = ()  # [quotas]: directory (relative to the root) → spec (kvfs/quotas.py)
 
     @property
     def lossy_mode(self) -> lossy.Lossy:
@@ -332,7 +333,7 @@ def build_config(
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
     toml = load_toml(Path(config_file)) if config_file else {}
-    unknown = set(toml) - {"mount", "l2", "l3", "l4", "encryption"}
+    unknown = set(toml) - {"mount", "l2", "l3", "l4", "encryption", "quotas"}
     if unknown:
         raise ConfigError(f"unknown config sections: {sorted(unknown)}")
     mount_t = toml.get("mount", {})
@@ -382,6 +383,7 @@ def build_config(
         raise ConfigError(f"adopt_verify must be one of {', '.join(ADOPT_VERIFY)}, got {adopt_verify!r}")
     encryption = _encryption_config(toml.get("encryption", {}), key_file, old_key_files, encrypt,
                                     [t for t in (l2_tier, l3_tier, l4_tier) if t is not None], tenant_keys)
+    quota_specs = _quota_config(toml.get("quotas", {}), [t.name for t in (l2_tier, l3_tier, l4_tier) if t is not None])
     lfile = log_file or mount_t.get("log_file")
     port = _metrics_port(metrics_port if metrics_port is not None else mount_t.get("metrics_port"))
     return Config(
@@ -408,7 +410,24 @@ def build_config(
         direct_writes=bool(mount_t.get("direct_writes", True) if direct_writes is None else direct_writes),
         adopt_verify=adopt_verify,
         encryption=encryption,
+        quotas=quota_specs,
     )
+
+
+def _quota_config(section: dict, tiers: list[str]) -> tuple[tuple[str, str], ...]:
+    from . import quotas
+
+    out = []
+    for directory, spec in section.items():
+        parts = [p for p in str(directory).split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise ConfigError(f"[quotas] {directory!r}: a directory inside the mount, e.g. tenants/acme")
+        try:
+            quotas.parse(str(spec), tiers)
+        except ValueError as e:
+            raise ConfigError(f"[quotas] {directory!r}: {e}") from None
+        out.append(("/".join(parts), str(spec)))
+    return tuple(out)
 
 
 def _encryption_config(section: dict, key_file, old_key_files, encrypt: str | None,

@@ -19,7 +19,7 @@ import time
 import pyfuse3
 import trio
 
-from . import crypto, direct
+from . import crypto, direct, quotas
 from . import staging
 from .adopt import Adopter, AdoptRefused
 from . import lossy as lossy_modes
@@ -793,6 +793,21 @@ class Operations(pyfuse3.Operations):
             names = [*INFO_XATTRS, *names]
         return names
 
+    def _set_quota(self, inode: int, row, value: bytes) -> None:
+        """user.kvfs.quota on a directory (kvfs/quotas.py): validated, kept normalized, enforced by the mover."""
+        if not stat.S_ISDIR(row["mode"]):
+            raise _err(errno.ENOTDIR)
+        try:
+            limits = quotas.parse(value, [t.name for t in self.store.order])
+        except ValueError as e:
+            log.info("rejected user.kvfs.quota=%r: %s", value[:40], e)
+            raise _err(errno.EINVAL) from None
+        if limits:
+            self.index.set_xattr(inode, quotas.XA_QUOTA, quotas.describe(limits).encode())
+        else:
+            self.index.remove_xattr(inode, quotas.XA_QUOTA)
+        self.mover.wake()
+
     @_guard
     async def setxattr(self, inode, name, value, ctx):
         if inode in VIRTUAL_INODES:
@@ -823,6 +838,9 @@ class Operations(pyfuse3.Operations):
             return
         if name in IGNORED_XATTRS:
             return  # informational, recomputed by kvfs: copying files with their xattrs must not fail
+        if name == quotas.XA_QUOTA:
+            self._set_quota(inode, row, bytes(value))
+            return
         if name == XA_DTYPE:
             dtype = bytes(value).decode(errors="replace").strip()
             if dtype not in SETTABLE_DTYPES:
@@ -1000,7 +1018,8 @@ class Operations(pyfuse3.Operations):
                                   config=self.config, started=self.started, open_files=len(self.open_files),
                                   dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
                                   mover=self.mover.status(),
-                                  qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"})
+                                  qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"},
+                                  quotas=[q.doc() for q in self.mover.quotas.refresh()] if self.mover.quotas else [])
 
     async def commit_all(self) -> None:
         """At shutdown: commit files still open with unsaved writes (best effort, logged)."""

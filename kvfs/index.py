@@ -81,6 +81,8 @@ CREATE TABLE IF NOT EXISTS xattrs (
     value BLOB NOT NULL,
     PRIMARY KEY (inode, name)
 ) WITHOUT ROWID;
+-- directories with a quota (kvfs/quotas.py), found by the mover every pass without a scan
+CREATE INDEX IF NOT EXISTS xattrs_quota ON xattrs (inode) WHERE name = X'757365722e6b7666732e71756f7461';
 """
 
 # Per-tier totals of committed objects, kept by triggers as the inodes change, so that .kvfs/stats (metrics
@@ -232,6 +234,39 @@ class Index:
             "SELECT i.id FROM tree t JOIN inodes i ON i.id = t.id WHERE (i.mode & 61440) = 32768 ORDER BY i.id",
             (ino,)).fetchall()
         return [r[0] for r in rows]
+
+    _TREE = ("WITH RECURSIVE tree(id) AS (SELECT ? UNION SELECT e.inode FROM entries e JOIN tree t ON e.parent = t.id "
+             "JOIN inodes d ON d.id = t.id WHERE (d.mode & 61440) = 16384) ")
+
+    def tree_usage(self, ino: int) -> dict[str, int]:
+        """Stored bytes of the files below a directory, per tier (a quota's usage: kvfs/quotas.py)."""
+        rows = self.db.execute(self._TREE + "SELECT i.obj_tier, SUM(i.stored_bytes) FROM tree t JOIN inodes i "
+                               "ON i.id = t.id WHERE i.obj_gen > 0 GROUP BY i.obj_tier", (ino,)).fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    def tree_lru(self, ino: int, tier: str, limit: int, skip: frozenset[int] | set[int] = frozenset()
+                 ) -> list[sqlite3.Row]:
+        """Files below a directory with an object in `tier`, least recently used first (pinned ones never)."""
+        self.flush_access()
+        rows = self.db.execute(
+            self._TREE + "SELECT i.id, i.obj_gen, i.obj_tier, i.stored_bytes, i.nlink FROM tree t JOIN inodes i "
+            "ON i.id = t.id WHERE i.obj_tier = ? AND i.obj_gen > 0 AND i.pinned = 0 ORDER BY i.last_access_ns "
+            "LIMIT ?", (ino, tier, limit + len(skip))).fetchall()
+        return [r for r in rows if r["id"] not in skip][:limit]
+
+    def quota_dirs(self) -> list[tuple[int, bytes]]:
+        """(inode, user.kvfs.quota) of every directory with a quota (the partial index xattrs_quota)."""
+        return [(r[0], r[1]) for r in self.db.execute(
+            "SELECT inode, value FROM xattrs WHERE name = X'757365722e6b7666732e71756f7461'")]
+
+    def resolve_path(self, parts: list[bytes]) -> int | None:
+        ino = ROOT_INODE
+        for part in parts:
+            found = self.lookup(ino, part)
+            if found is None:
+                return None
+            ino = found
+        return ino
 
     def tree_dirs(self, ino: int) -> list[int]:
         """The directories of a tree rooted at `ino`, itself included."""

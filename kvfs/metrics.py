@@ -40,7 +40,7 @@ TIER_COUNTERS = {f.name for f in dataclasses.fields(stats.TierCounters)} | {
 GLOBAL_COUNTERS = {f.name for f in dataclasses.fields(stats.Counters)} - {"tiers"}
 GAUGES = {"pinned_files", "pinned_bytes"}  # states, wherever they are kept
 RENAMED = {"frame_size": "frame_size_bytes"}  # a unit the field name leaves implicit
-SKIPPED = {"version", "pid", "tiers", "mover", "qat"}  # identity, or mapped on their own below
+SKIPPED = {"version", "pid", "tiers", "mover", "qat", "quotas"}  # identity, or mapped on their own below
 HELP = {
     "capacity_bytes": "configured capacity of the tier",
     "used_bytes": "stored bytes the tier holds",
@@ -65,6 +65,8 @@ HELP = {
     "bytes_read": "logical bytes returned by read()",
     "checksum_failures": "corrupt objects detected (each dropped from the index)",
     "key_unavailable": "reads refused because the object is sealed with a key this mount does not hold",
+    "quota_limit_bytes": "a directory's quota in a tier (stored bytes)",
+    "quota_used_bytes": "stored bytes below a directory with a quota, per tier",
     "errors": "unexpected exceptions answered with EIO",
     "lookup_misses": "lookups of a name that does not exist",
     "uptime_s": "seconds since the mount started",
@@ -130,6 +132,11 @@ def families(doc: dict) -> list[Metric]:
         if field not in SKIPPED and _is_number(value):
             out.add("kvfs_", field, field in GLOBAL_COUNTERS, {}, value)
     _mover_metrics(out, doc.get("mover", {}), tiers)
+    for q in doc.get("quotas", []):
+        for tier, limit in q["limits"].items():
+            labels = {"directory": q["path"], "tier": tier}
+            out.add("kvfs_", "quota_limit_bytes", False, labels, limit)
+            out.add("kvfs_", "quota_used_bytes", False, labels, q["used"].get(tier, 0))
     return [*out.by_name.values(), *_info(doc)]
 
 

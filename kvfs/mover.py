@@ -40,6 +40,7 @@ import trio
 from .config import PromotionPolicy, TierConfig
 from .index import Index, object_id
 from .locks import InodeLocks
+from .quotas import Quotas
 from .ratelimit import Throttle
 from .stats import Counters
 from .store import ObjectRef, Store, credit_for
@@ -93,6 +94,7 @@ class Mover:
         self._settling: dict[int, float] = {}  # ino → when it may be published (write policy through)
         self._failure_log = Throttle()  # a full disk fails every move: say it once a minute
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
+        self.quotas: Quotas | None = None  # directories with quotas (kvfs/quotas.py): set by the daemon
         self.open_file: Callable[[int], object | None] = lambda ino: None
         self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
         self.forget_names: Callable[[int, list[tuple[int, bytes]]], Awaitable[None]] = _forget_nothing
@@ -126,6 +128,7 @@ class Mover:
                         continue  # demotion pauses while the next tier is down: this one keeps files while it has room
                     if tier.used_bytes > high * tier.capacity:
                         await self._drain(tier, int(low * tier.capacity))
+                    await self._enforce_quotas(tier)
             except Exception:
                 self.counters.errors += 1
                 log.exception("mover pass failed; retrying at the next tick")
@@ -201,7 +204,8 @@ class Mover:
         tried: set[int] = set()
         try:
             while tier.used_bytes > target_used:
-                rows = self.index.least_recently_used(tier.name, CANDIDATES, tried)
+                # a directory over its quota here gives up its own files first (kvfs/quotas.py)
+                rows = self._quota_victims(tier, tried) or self.index.least_recently_used(tier.name, CANDIDATES, tried)
                 if not rows:
                     break  # nothing left to try: whatever remains is busy, open (last tier) or pinned
                 async with trio.open_nursery() as nursery:
@@ -216,6 +220,35 @@ class Mover:
             self._draining.discard(tier.name)
             self._log_batch(tier, before, started, "drained" if not forced else "made room")
         return max(0, start - tier.used_bytes)
+
+    def _quota_victims(self, tier: Tier, tried: set[int]) -> list:
+        """Least recently used files of the directories over their quota in `tier`, up to their excess."""
+        if self.quotas is None or not self.quotas.configured and not self.index.quota_dirs():
+            return []
+        rows = []
+        for q in self.quotas.over(tier.name):
+            need = q.excess(tier.name)
+            for row in self.index.tree_lru(q.ino, tier.name, CANDIDATES, tried):
+                if need <= 0:
+                    break
+                rows.append(row)
+                need -= row["stored_bytes"]
+        return rows
+
+    async def _enforce_quotas(self, tier: Tier) -> None:
+        """Move files of directories over their quota in `tier` out of it, least recently used first."""
+        nxt = self._next_tier(tier)
+        if (nxt is not None and not nxt.available()) or not self._quota_victims(tier, set()):
+            return
+        async with self._room[tier.name]:
+            tried: set[int] = set()
+            before, started = self._moved_out(tier), time.monotonic()
+            while rows := self._quota_victims(tier, tried):
+                async with trio.open_nursery() as nursery:
+                    for row in rows:
+                        tried.add(row["id"])
+                        nursery.start_soon(self._push_out, tier, row["id"])
+            self._log_batch(tier, before, started, "over quota")
 
     def _moved_out(self, tier: Tier) -> tuple[int, int, int, int]:
         c = self.counters.tier(tier.name)

@@ -61,7 +61,8 @@ class Counters:
 
 
 def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int, int, int]], config, started: float,
-             open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict, qat: dict) -> dict:
+             open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict, qat: dict,
+             quotas: list[dict] | None = None) -> dict:
     """The statistics document: what .kvfs/stats serves as JSON and the metrics exporter turns into metrics."""
     tier_docs = {}
     logical_all = stored_all = 0
@@ -100,6 +101,7 @@ def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int
         "dirty_bytes": dirty_bytes,
         "mover": mover,
         "qat": qat,
+        "quotas": quotas or [],  # [{path, limits: {tier: bytes}, used: {tier: bytes}}] (kvfs/quotas.py)
         **_fields(counters, skip="tiers"),
     }
     return doc
