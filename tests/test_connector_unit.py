@@ -128,6 +128,8 @@ def test_settings_are_checked():
     for bad in ("all", "3-1", "1,,2", ""):
         with pytest.raises(ValueError, match="io_cpus"):
             Settings.from_extra({"mount": "/m", "io_cpus": bad})
+    with pytest.raises(ValueError, match="tenant_dir_secret_file without tenant_dirs"):
+        Settings.from_extra({"mount": "/m", "tenant_dir_secret_file": "/etc/k"})
 
 
 def test_cpu_lists_round_trip():

@@ -236,6 +236,21 @@ def test_chunk_names_follow_the_cache_salt(configs):
     plain, a, b = paths(None), paths("tenant-a"), paths("tenant-b")
     assert paths("tenant-a") == a
     assert not {*plain} & {*a} and not {*a} & {*b} and not {*plain} & {*b}
+
+    # tenant_dirs: a salted request's chunks under a directory of its tenant, whose name hides the salt
+    from kvfs_connector.naming import tenant_dir
+
+    conn.planner.tenant_dirs = True
+    mount = conn.planner.mount
+    a_dir, b_dir = paths("tenant-a"), paths("tenant-b")
+    assert paths(None) == plain  # no salt: shared, as before
+    assert [os.path.relpath(p, mount).split("/", 1)[1] for p in a_dir] == [os.path.relpath(p, mount) for p in a]
+    top = {os.path.relpath(p, mount).split("/")[0] for p in a_dir + b_dir}
+    assert top == {tenant_dir("tenant-a"), tenant_dir("tenant-b")} and all(t.startswith("tenant-") for t in top)
+    assert not any("tenant-a" in p or "tenant-b" in p for p in top)
+    conn.planner.tenant_secret = b"s" * 32
+    assert {os.path.relpath(p, mount).split("/")[0] for p in paths("tenant-a")} == {tenant_dir("tenant-a", b"s" * 32)}
+    assert tenant_dir("tenant-a", b"s" * 32) != tenant_dir("tenant-a")
     conn.shutdown()
 
 

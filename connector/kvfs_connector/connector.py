@@ -72,7 +72,8 @@ class KVFSConnector(KVConnectorBase_V1):
                                    hash_block_size=hash_block_size, chunk_size=self.chunk_size,
                                    save_decode=self.settings.save_decode, guard=self.guard,
                                    prefetch=self.settings.prefetch,
-                                   demote_after_idle_s=self.settings.demote_after_idle_s)
+                                   demote_after_idle_s=self.settings.demote_after_idle_s,
+                                   tenant_dirs=self.settings.tenant_dirs, tenant_secret=_tenant_secret(self.settings))
             log.info("kvfs connector: %s, chunks of %d tokens, layout %s", self.guard.path, self.chunk_size,
                      self.layout_name)
 
@@ -256,6 +257,16 @@ def engine_layout_of(vllm_config: VllmConfig, spec, layer_names: list[str] | Non
         backend = getattr(configured, "name", None) or (str(configured) if configured else "FLASH_ATTN")
     isa = compat.cpu_attention_isa(spec, cache_dtype) if backend == "CPU_ATTN" else None
     return layouts.EngineLayout(backend, isa, version)
+
+
+def _tenant_secret(settings: Settings) -> bytes | None:
+    """The HMAC key of tenant directory names: the file's bytes (at least 16), or None."""
+    if settings.tenant_dir_secret_file is None:
+        return None
+    secret = open(settings.tenant_dir_secret_file, "rb").read()
+    if len(secret) < 16:
+        raise ValueError("kvfs connector: tenant_dir_secret_file must hold at least 16 bytes (head -c 32 /dev/urandom)")
+    return secret
 
 
 def engine_layout(vllm_config: VllmConfig, spec) -> str:

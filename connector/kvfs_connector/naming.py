@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -48,10 +49,27 @@ class NamespaceKey:
         return f"{self.readable_model()}-{self.digest()}"
 
 
-def chunk_relpath(namespace: str, block_hash: bytes) -> str:
+def chunk_relpath(namespace: str, block_hash: bytes, tenant: str | None = None) -> str:
     h = block_hash.hex()
-    return f"{namespace}/{h[:2]}/{h}.kv"
+    return f"{tenant}/{namespace}/{h[:2]}/{h}.kv" if tenant else f"{namespace}/{h[:2]}/{h}.kv"
+
+
+def tenant_dir(cache_salt: str, secret: bytes | None = None) -> str:
+    """The directory of one tenant's chunks (the `tenant_dirs` setting): `tenant-` and 20 hex digits of an
+    HMAC-SHA256 of the request's cache_salt under the deployment's secret (SHA-256 without one), so the name
+    does not reveal the salt; with a secret, not even to someone who can guess it."""
+    mac = hmac.new(secret, cache_salt.encode(), hashlib.sha256) if secret else hashlib.sha256(
+        b"kvfs tenant dir v1\0" + cache_salt.encode())
+    return "tenant-" + mac.hexdigest()[:20]
 
 
 def seed_identity(none_hash: bytes) -> str:
     return hashlib.sha256(bytes(none_hash)).hexdigest()[:16]
+
+
+if __name__ == "__main__":  # python -m kvfs_connector.naming SALT [SECRET_FILE]: a tenant's directory name
+    import sys
+
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit("usage: python -m kvfs_connector.naming CACHE_SALT [TENANT_DIR_SECRET_FILE]")
+    print(tenant_dir(sys.argv[1], open(sys.argv[2], "rb").read() if len(sys.argv) == 3 else None))

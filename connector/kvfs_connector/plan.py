@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from . import compat, files
 from .chunkfile import token_digest
 from .mount import MountGuard
-from .naming import chunk_relpath
+from .naming import chunk_relpath, tenant_dir
 
 log = logging.getLogger("vllm.kvfs_connector")
 
@@ -50,8 +50,10 @@ class RequestState:
 class Planner:
     def __init__(self, *, mount: str, namespaces: Callable[[], Sequence[str]], block_size: int, hash_block_size: int,
                  chunk_size: int, save_decode: bool, guard: MountGuard, prefetch: bool = False,
-                 demote_after_idle_s: int = 0) -> None:
+                 demote_after_idle_s: int = 0, tenant_dirs: bool = False, tenant_secret: bytes | None = None) -> None:
         self.mount = mount
+        self.tenant_dirs = tenant_dirs  # salted requests' chunks under a directory per tenant (naming.tenant_dir)
+        self.tenant_secret = tenant_secret
         self._namespace_factory = namespaces  # called once, on first use: vLLM seeds its hashes after init
         self._namespaces: list[str] | None = None
         self.block_size = block_size
@@ -84,7 +86,9 @@ class Planner:
         i = last_token // self.hash_block_size - 1
         if i >= len(hashes):
             return None
-        return [os.path.join(self.mount, chunk_relpath(ns, bytes(hashes[i]))) for ns in self.namespaces]
+        salt = getattr(request, "cache_salt", None) if self.tenant_dirs else None
+        tenant = tenant_dir(salt, self.tenant_secret) if salt else None
+        return [os.path.join(self.mount, chunk_relpath(ns, bytes(hashes[i]), tenant)) for ns in self.namespaces]
 
     # -- lookups ---------------------------------------------------------------------------------------
     def lookup(self, request, num_computed_tokens: int) -> int:

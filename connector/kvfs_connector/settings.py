@@ -32,6 +32,8 @@ class Settings:
     lossy: str = "none"  # opt-in: kvfs lossy mode for the chunks (mantissa:K or fp8[:G]); its own namespace
     prefetch: bool = False  # when a request is first scheduled, ask kvfs to bring its stored chunks to L2
     demote_after_idle_s: int = 0  # a finished request's chunks go down a tier when not read for this long; 0 = off
+    tenant_dirs: bool = False  # a request with a cache_salt keeps its chunks under <mount>/tenant-<hmac of salt>/
+    tenant_dir_secret_file: str | None = None  # the HMAC key of those names (a file; recommended with tenant_dirs)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -59,6 +61,8 @@ class Settings:
             raise ValueError(f'kvfs connector: io_cpus must be "auto", "worker" or a CPU list: {e}') from None
         if (s.io_threads is not None and s.io_threads < 1) or s.max_pending_save_mb < 0 or s.save_threads < 1:
             raise ValueError("kvfs connector: io_threads and save_threads must be >= 1 and max_pending_save_mb >= 0")
+        if s.tenant_dir_secret_file is not None and not s.tenant_dirs:
+            raise ValueError("kvfs connector: tenant_dir_secret_file without tenant_dirs")
         for key in ("pinned_memory_mb", "device_staging_mb"):
             if not isinstance(getattr(s, key), int) or getattr(s, key) < 0:
                 raise ValueError(f"kvfs connector: {key} must be a whole number of MB >= 0")
