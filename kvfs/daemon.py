@@ -159,6 +159,7 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
         if exporter is not None:
             exporter.close()
         pyfuse3.close(unmount=True)
+        ops.pages.helpers.close()  # after the unmount: a stat still waiting fails with it
         index.close()
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
     return 0

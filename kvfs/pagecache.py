@@ -26,13 +26,23 @@ Kept pages are a cache in front of L2, never of a colder tier: a file committed 
 L2) is not kept, and a demotion drops the file's pages (Mover._forget_pages), so kvfs sees the next read (its
 promotion, and in a shared L4 whether another node unlinked the file; fs.Operations._may_keep).
 `KVFS_KEEP_WRITTEN_PAGES=0` in the daemon's environment turns it off (for comparisons).
+
+The stat runs in a helper process (StatHelpers), never in a thread of the daemon: a daemon killed (-9) while
+one of its own threads waits for its answer could never finish exiting (a request the daemon has read cannot
+be interrupted, and /dev/fuse stays open until every thread is gone), and the mount would hang. A helper's
+stat fails with ENOTCONN once the daemon is gone, and the helper exits at the end of its input.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import queue
+import subprocess
+import sys
+import threading
 
 import pyfuse3
 import trio
@@ -41,6 +51,80 @@ log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("KVFS_KEEP_WRITTEN_PAGES", "1") != "0"
 STAT_SLOTS = 32
+
+
+# the helper: one path (hex) per line in, "INO SIZE" or "E ERRNO" per line out; -S: no site import, fast start
+_HELPER = ("import os, sys\n"
+           "for line in sys.stdin:\n"
+           "    try:\n"
+           "        st = os.lstat(bytes.fromhex(line.strip()))\n"
+           "        print(st.st_ino, st.st_size, flush=True)\n"
+           "    except OSError as e:\n"
+           "        print('E', e.errno, flush=True)\n")
+MAX_HELPERS = 4
+
+
+class StatHelpers:
+    """lstat(2) through the mount, from separate processes (see the module's docstring); blocking calls, from
+    worker threads. A pool of MAX_HELPERS at most, started as needed."""
+
+    def __init__(self) -> None:
+        self._idle: queue.SimpleQueue[subprocess.Popen] = queue.SimpleQueue()
+        self._all: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+
+    def lstat(self, path: bytes) -> tuple[int, int]:
+        """(st_ino, st_size) of path; OSError as lstat raises it."""
+        proc = self._take()
+        try:
+            proc.stdin.write(path.hex() + "\n")
+            proc.stdin.flush()
+            answer = proc.stdout.readline().split()
+        except (OSError, ValueError):
+            answer = []
+        if len(answer) != 2:
+            self._drop(proc)
+            raise OSError(errno.EIO, "the stat helper process is gone")
+        self._idle.put(proc)
+        if answer[0] == "E":
+            raise OSError(int(answer[1]), os.strerror(int(answer[1])))
+        return int(answer[0]), int(answer[1])
+
+    def _take(self) -> subprocess.Popen:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if len(self._all) < MAX_HELPERS:
+                # stderr discarded: a helper whose daemon was killed dies writing its last answer (EPIPE)
+                proc = subprocess.Popen([sys.executable, "-S", "-c", _HELPER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                                        close_fds=True)
+                self._all.append(proc)
+                return proc
+        return self._idle.get()
+
+    def _drop(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if proc in self._all:
+                self._all.remove(proc)
+        proc.kill()
+        proc.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            procs, self._all = self._all, []
+        for proc in procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @dataclasses.dataclass
@@ -60,6 +144,7 @@ class PageKeeper:
         self.enabled = ENABLED
         self.slots = trio.Semaphore(STAT_SLOTS)
         self.busy: dict[int, trio.Event] = {}  # inode -> set when its store is done
+        self.helpers = StatHelpers()
 
     def snapshot(self, state, flags: int) -> Written | None:
         """Before the commit of a flush: the content about to be committed, if it may be kept afterwards."""
@@ -110,10 +195,10 @@ class PageKeeper:
         names = self.index.path_of(ino)
         return None if names is None else os.path.join(self.mountpoint, *names)
 
-    @staticmethod
-    def _refresh(path: bytes, w: Written) -> bool:
-        st = os.lstat(path)  # the kernel asks the daemon for the attributes: the mtime it keeps is now current
-        return st.st_ino == w.ino and st.st_size == w.size
+    def _refresh(self, path: bytes, w: Written) -> bool:
+        # the kernel asks the daemon for the attributes: the mtime it keeps is now current
+        ino, size = self.helpers.lstat(path)
+        return ino == w.ino and size == w.size
 
     def _store(self, w: Written) -> None:
         F = self.frame_size

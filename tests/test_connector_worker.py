@@ -287,3 +287,28 @@ def test_worker_saves_into_a_kvfs_mount_past_fuse_by_default(make_mount, direct_
     w.flush(10)
     assert w.stats["saves_existing"] == 1
     w.shutdown()
+
+
+def test_worker_saves_and_loads_on_a_sealed_mount(make_mount, tmp_path):
+    """Encryption at rest on every tier (docs/security.md): the worker holds no key, so its saves and loads go
+    through the mount (no direct write is offered, no object location given), and the chunk round-trips."""
+    from kvfs import crypto
+    from kvfs import format as fmt
+
+    key = tmp_path / "k.key"
+    crypto.write_key_file(key)
+    m = make_mount().start("--key-file", str(key), "--encrypt", "L2,L3")
+    w, caches, spec, _ = _worker(m.mountpoint, ("cpu", "CPU_ATTN"))
+    original = [c.clone() for c in caches]
+    w.save([spec])
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 1 and w.stats["saved_direct"] == 0
+    s = m.stats()
+    assert (s["direct_writes"], s["commits"]) == (0, 1)
+    (obj,) = m.objects("L2")
+    assert fmt.parse_header(obj.read_bytes()).sealing[0] == crypto.load_key_file(key).key_id
+    assert _load(w, spec, [0, 9]) == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))
+    assert m.stats()["direct_reads"] == 0
+    w.shutdown()
