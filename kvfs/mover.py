@@ -45,6 +45,7 @@ from .ratelimit import Throttle
 from .stats import Counters
 from .store import ObjectRef, Store, credit_for
 from .tiers import Tier
+from .tiers.s3 import encode_xattrs
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ class Mover:
             size = plan.size if plan is not None else ref.stored_bytes
             if not await self._reserve(dest, size):
                 return False
-            meta = {"kvfs-mode": oct(row["mode"])}
+            meta = {"kvfs-mode": oct(row["mode"]), **encode_xattrs(self._user_xattrs(ino))}
             try:
                 async with self._slots:
                     etag = await self.store.io(dest.name, dest.publish, key, self.store.tiers[ref.tier],
@@ -410,6 +411,12 @@ class Mover:
         self._forget_pages(ref, dest)
         await self.store.delete(ref)
         return True
+
+    def _user_xattrs(self, ino: int) -> list[tuple[bytes, bytes]]:
+        """What other nodes get of a published file's attributes: user.* but kvfs's own (other tiers' metadata,
+        e.g. vLLM's user.vllm.kv_crc32c)."""
+        return [(n, self.index.get_xattr(ino, n)) for n in self.index.list_xattrs(ino)
+                if n.startswith(b"user.") and not n.startswith(b"user.kvfs.")]
 
     def conflicted(self, ino: int) -> bool:
         """The shared L4 refused this file: another node published its name first."""

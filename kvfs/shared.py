@@ -132,6 +132,9 @@ class SharedNamespace:
         ino = self.index.adopt_published(parent, name, mode=mode, uid=self.uid, gid=self.gid, size=facts["size"],
                                          stored_bytes=facts["stored_bytes"], tier=self.tier.name, key=file_id,
                                          etag=facts["etag"], mtime_ns=facts["mtime_ns"])
+        for key, value in facts.get("xattrs", []):  # other tiers' metadata, as the publishing node had it
+            if key.startswith(b"user.") and not key.startswith(b"user.kvfs."):
+                self.index.set_xattr(ino, key, value)
         self.store.charge(self.tier, facts["stored_bytes"])
         self.adopted += 1
         return ino

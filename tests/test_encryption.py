@@ -8,6 +8,7 @@ so the search can fail).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import struct
 import subprocess
@@ -150,6 +151,10 @@ def test_rotation_new_objects_use_the_new_key_and_old_ones_stay_readable(make_mo
     ids = {fmt.parse_header(p.read_bytes()).sealing[0] for p in m.objects("L3")}
     assert ids == {crypto.load_key_file(k1).key_id, crypto.load_key_file(k2).key_id}
     assert m.path("old").read_bytes() == old and m.path("new").read_bytes() == new
+    fsck = subprocess.run([sys.executable, "-m", "kvfs", "fsck", str(m.mountpoint), "--json"],
+                          capture_output=True, text=True, timeout=120)  # opens and decodes every sealed frame
+    assert fsck.returncode == 0, fsck.stdout[-2000:] + fsck.stderr[-2000:]
+    assert json.loads(fsck.stdout)["objects_checked"] == 2
 
 
 def test_key_files_other_users_can_read_are_refused(tmp_path):

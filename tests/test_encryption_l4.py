@@ -130,3 +130,25 @@ def test_a_shared_prefix_publishes_sealed_objects_other_mounts_open(make_mount, 
     assert f"{prefix}/files/ns/x.kv" in objects
     assert not [key for key, body in objects.items() if PATTERN in body]
     assert b.path("ns", "x.kv").read_bytes() == FILES["f2"]
+
+
+def test_deleting_a_tenant_key_shreds_its_files_in_the_bucket_and_no_one_elses(make_mount, ceph, tmp_path):
+    prefix = f"enc-{uuid.uuid4().hex[:8]}"
+    k, ka = key_file(tmp_path, "default"), key_file(tmp_path, "acme")
+    m = make_mount()
+    start_with_l4(m, ceph, prefix, "--codec", "none", "--key-file", str(k), "--tenant-key", f"acme={ka}",
+                  "--promote", "never", l2="64M", l3="64M")
+    for d in ("acme", "other"):
+        m.path(d).mkdir()
+        m.path(d, "f").write_bytes(FILES["f0"])
+    demote_to_l4(m, ["acme/f", "other/f"])
+    ids = {fmt.parse_header(body).sealing[0] for body in bucket_objects(ceph, prefix).values()}
+    assert ids == {crypto.load_key_file(k).key_id, crypto.load_key_file(ka).key_id}
+    m.stop()
+    start_with_l4(m, ceph, prefix, "--codec", "none", "--key-file", str(k), "--promote", "never",
+                  l2="64M", l3="64M")
+    m.expect_log(r"sealed with key .* which this mount does not hold")
+    with pytest.raises(OSError) as err:
+        m.path("acme", "f").read_bytes()
+    assert err.value.errno == errno.EIO
+    assert m.path("other", "f").read_bytes() == FILES["f0"]

@@ -17,8 +17,10 @@ logical size, dtype, codec, lossy mode — so a listing or a HEAD tells what an 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import errno
+import json
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -169,7 +171,8 @@ class S3Tier(Tier):
             return None  # not a kvfs object: not adopted
         return {"size": size, "stored_bytes": int(a["ContentLength"]), "etag": a["ETag"],
                 "mode": int(meta.get(f"{META_PREFIX}mode", "0o100644"), 0),
-                "mtime_ns": int(a["LastModified"].timestamp() * 1e9)}
+                "mtime_ns": int(a["LastModified"].timestamp() * 1e9),
+                "xattrs": decode_xattrs(meta.get(f"{META_PREFIX}xattrs", ""))}
 
     def list_dir(self, dir_id: str) -> tuple[list[str], list[str]]:
         """Names of the files and of the subdirectories under a published directory id ('files/a/b/')."""
@@ -424,6 +427,26 @@ class _Multipart:
                                  UploadId=self.upload_id, PartNumber=n, Body=data)
         self.tier._count(out=len(data))
         self.done.append({"PartNumber": n, "ETag": answer["ETag"]})
+
+
+XATTRS_META_MAX = 1536  # of S3's 2 KiB of user metadata: the rest is kvfs's own fields
+
+
+def encode_xattrs(xattrs: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """A file's user.* attributes as one S3 metadata value (JSON of base64), or nothing when they do not fit:
+    then only the publishing node has them."""
+    if not xattrs:
+        return {}
+    value = json.dumps({base64.b64encode(k).decode(): base64.b64encode(v).decode() for k, v in xattrs},
+                       separators=(",", ":"))
+    return {f"{META_PREFIX}xattrs": value} if len(value) <= XATTRS_META_MAX else {}
+
+
+def decode_xattrs(value: str) -> list[tuple[bytes, bytes]]:
+    try:
+        return [(base64.b64decode(k), base64.b64decode(v)) for k, v in json.loads(value).items()] if value else []
+    except (ValueError, AttributeError):
+        return []  # not written by kvfs: ignored
 
 
 def _metadata(head: bytes) -> dict[str, str]:

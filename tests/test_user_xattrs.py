@@ -1,0 +1,68 @@
+"""Other tiers' metadata survives (issue "kvfs in a fleet", part 4): user.* xattrs set on a temporary file
+before its rename, as vLLM's fs tier sets user.vllm.kv_crc32c (its opt-in CRC32C; the installed vLLM 0.32 has no
+such option, so they are set here with setxattr, as setfattr would), survive the rename, every tier move, the
+L4 round trip on a real Ceph RGW, and a restart."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import zlib
+
+from test_l4 import settle, start_with_l4
+
+XATTRS = {"user.vllm.kv_crc32c": None, "user.other.tag": b"\x00binary\xff value"}
+
+
+def write_like_vllm(m, name: str, data: bytes) -> dict[str, bytes]:
+    """Write a temp file, set its xattrs, rename it into place: vLLM's fs tier's order."""
+    expected = {k: v if v is not None else b"%08x" % zlib.crc32(data) for k, v in XATTRS.items()}
+    tmp = m.path(name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        for k, v in expected.items():
+            os.setxattr(f.fileno(), k, v)
+    os.rename(tmp, m.path(name))
+    return expected
+
+
+def xattrs_of(path) -> dict[str, bytes]:
+    return {k: os.getxattr(path, k) for k in os.listxattr(path) if k.startswith("user.") and
+            not k.startswith("user.kvfs.")}
+
+
+def move(m, name: str, tier: str) -> None:
+    os.setxattr(m.path(name), "user.kvfs.tier", tier.encode())
+    assert os.getxattr(m.path(name), "user.kvfs.tier") == tier.encode()
+
+
+def test_user_xattrs_survive_rename_moves_l4_and_restart(make_mount, ceph):
+    prefix = f"xa-{uuid.uuid4().hex[:8]}"
+    m = start_with_l4(make_mount(), ceph, prefix, "--promote", "never", l2="64M", l3="64M")
+    data = os.urandom(3 << 20)
+    expected = write_like_vllm(m, "chunk.kv", data)
+    assert xattrs_of(m.path("chunk.kv")) == expected
+    for tier in ("L3", "L4", "L2", "L4"):
+        move(m, "chunk.kv", tier)
+        settle(m)
+        assert xattrs_of(m.path("chunk.kv")) == expected, tier
+    m.stop()
+    start_with_l4(m, ceph, prefix, "--promote", "never", l2="64M", l3="64M")
+    assert xattrs_of(m.path("chunk.kv")) == expected
+    assert m.path("chunk.kv").read_bytes() == data
+
+
+def test_another_node_gets_a_published_files_user_xattrs(make_mount, ceph):
+    """A shared prefix: what node A publishes carries its user.* attributes (S3 metadata), so node B's
+    vLLM-style checksum check finds user.vllm.kv_crc32c on the file it reads."""
+    prefix = f"xa-{uuid.uuid4().hex[:8]}"
+    a = start_with_l4(make_mount("a"), ceph, prefix, "--l4-shared", "--promote", "never", l2="64M", l3="64M")
+    b = start_with_l4(make_mount("b"), ceph, prefix, "--l4-shared", l2="64M", l3="64M")
+    a.path("ns").mkdir()
+    data = os.urandom(2 << 20)
+    expected = write_like_vllm(a, "ns/c.kv", data)
+    move(a, "ns/c.kv", "L4")
+    assert xattrs_of(a.path("ns/c.kv")) == expected
+    assert b.path("ns", "c.kv").read_bytes() == data
+    assert xattrs_of(b.path("ns", "c.kv")) == expected
+    assert xattrs_of(b.path("ns", "c.kv"))["user.vllm.kv_crc32c"] == b"%08x" % zlib.crc32(data)
