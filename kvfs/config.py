@@ -419,14 +419,12 @@ def _quota_config(section: dict, tiers: list[str]) -> tuple[tuple[str, str], ...
 
     out = []
     for directory, spec in section.items():
-        parts = [p for p in str(directory).split("/") if p not in ("", ".")]
-        if not parts or ".." in parts:
-            raise ConfigError(f"[quotas] {directory!r}: a directory inside the mount, e.g. tenants/acme")
+        path = _inside_mount(directory, "[quotas] directory")
         try:
             quotas.parse(str(spec), tiers)
         except ValueError as e:
             raise ConfigError(f"[quotas] {directory!r}: {e}") from None
-        out.append(("/".join(parts), str(spec)))
+        out.append((path, str(spec)))
     return tuple(out)
 
 
@@ -476,13 +474,18 @@ def _tenant_keys(table: dict, specs: tuple[str, ...]) -> tuple[tuple[str, tuple[
         entries[directory] = files.split(",")
     out = []
     for directory, files in entries.items():
-        parts = [p for p in str(directory).split("/") if p not in ("", ".")]
-        if not parts or ".." in parts:
-            raise ConfigError(f"tenant directory {directory!r} must be a path inside the mount, e.g. tenants/acme")
         if not files or not all(isinstance(f, str) and f for f in files):
             raise ConfigError(f"tenant directory {directory!r}: key files must be paths")
-        out.append(("/".join(parts), tuple(Path(f).expanduser() for f in files)))
+        out.append((_inside_mount(directory, "tenant directory"), tuple(Path(f).expanduser() for f in files)))
     return tuple(sorted(out))
+
+
+def _inside_mount(directory, what: str) -> str:
+    """A directory named relative to the mount's root, normalised ('a//b/' → 'a/b'); ConfigError outside it."""
+    parts = [p for p in str(directory).split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ConfigError(f"{what} {directory!r} must be a path inside the mount, e.g. tenants/acme")
+    return "/".join(parts)
 
 
 def _l4_lease(section: dict) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import stat
 import struct
@@ -52,7 +53,7 @@ class Key:
     secret: bytes = dataclasses.field(repr=False)
     source: str  # where it came from, for messages: a path or the variable's name
 
-    @property
+    @functools.cached_property
     def key_id(self) -> bytes:
         return _hkdf(self.secret, b"", b"kvfs key id v1", KEY_ID_BYTES)
 
@@ -125,9 +126,14 @@ class KeyRing:
             self.by_id.setdefault(key.key_id, key)
         self._ciphers: dict[tuple[bytes, bytes], AESGCM] = {}
 
-    def sealing_key(self, tenant: str | None) -> Key | None:
-        """The key new objects are sealed with: the tenant's own, else the default one."""
-        return self.tenants.get(tenant, self.current) if tenant is not None else self.current
+    def tenant_key(self, tenant: str | None) -> Key | None:
+        """The key of a tenant directory (kvfs/sealing.py Tenants), None for no tenant or one without its own."""
+        return self.tenants.get(tenant) if tenant is not None else None
+
+    def sealed_header(self, header, key: Key):
+        """A header sealed with `key` under a fresh object nonce, and the working cipher of that object."""
+        nonce = os.urandom(NONCE_BYTES)
+        return header.sealed_with(key.key_id, nonce), self.cipher(key.key_id, nonce)
 
     def cipher(self, key_id: bytes, nonce: bytes) -> AESGCM:
         """The working cipher of one object; KeyUnavailable when its key is not listed here."""
@@ -142,11 +148,6 @@ class KeyRing:
             self._ciphers.clear()
         self._ciphers[(key_id, nonce)] = cipher
         return cipher
-
-    def describe(self) -> list[dict]:
-        tenant_of = {k.key_id: name for name, k in self.tenants.items()}
-        return [{"key_id": k.key_id.hex(), "source": k.source, "current": k is self.current or k.key_id in tenant_of,
-                 **({"tenant": tenant_of[k.key_id]} if k.key_id in tenant_of else {})} for k in self.by_id.values()]
 
 
 def seal(cipher: AESGCM, offset: int, aad: bytes, raw_xxh3: int, payload) -> bytes:

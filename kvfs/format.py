@@ -127,8 +127,9 @@ class Header:
 
     def sealed_with(self, key_id: bytes, nonce: bytes) -> "Header":
         """This header for a sealed object (any earlier sealing extension replaced)."""
-        kept = b"".join(tlv(t, v) for t, v in parse_tlvs(self.extensions).items() if t != EXT_SEALED)
-        return dataclasses.replace(self, extensions=kept + tlv(EXT_SEALED, SEALED_EXT.pack(1, key_id, nonce)))
+        plain = self.unsealed()
+        sealing = tlv(EXT_SEALED, SEALED_EXT.pack(1, key_id, nonce))
+        return dataclasses.replace(plain, extensions=plain.extensions + sealing)
 
     def unsealed(self) -> "Header":
         kept = b"".join(tlv(t, v) for t, v in parse_tlvs(self.extensions).items() if t != EXT_SEALED)

@@ -224,7 +224,7 @@ class Mover:
 
     def _quota_victims(self, tier: Tier, tried: set[int]) -> list:
         """Least recently used files of the directories over their quota in `tier`, up to their excess."""
-        if self.quotas is None or not self.quotas.configured and not self.index.quota_dirs():
+        if self.quotas is None:
             return []
         rows = []
         for q in self.quotas.over(tier.name):
@@ -239,16 +239,17 @@ class Mover:
     async def _enforce_quotas(self, tier: Tier) -> None:
         """Move files of directories over their quota in `tier` out of it, least recently used first."""
         nxt = self._next_tier(tier)
-        if (nxt is not None and not nxt.available()) or not self._quota_victims(tier, set()):
+        tried: set[int] = set()
+        if (nxt is not None and not nxt.available()) or not (rows := self._quota_victims(tier, tried)):
             return
         async with self._room[tier.name]:
-            tried: set[int] = set()
             before, started = self._moved_out(tier), time.monotonic()
-            while rows := self._quota_victims(tier, tried):
+            while rows:
                 async with trio.open_nursery() as nursery:
                     for row in rows:
                         tried.add(row["id"])
                         nursery.start_soon(self._push_out, tier, row["id"])
+                rows = self._quota_victims(tier, tried)
             self._log_batch(tier, before, started, "over quota")
 
     def _moved_out(self, tier: Tier) -> tuple[int, int, int, int]:
@@ -326,12 +327,10 @@ class Mover:
         if dest.shared:
             return await self._publish_locked(row, dest)
         ref = ObjectRef.of_row(row)
-        try:
-            plan = await self.store.copy_plan(ref, dest, self.store.tenants.of_inode(self.index, ino))  # sealed or opened on the way: another size
-        except Exception as e:
-            self._move_failed(ino, ref, dest, e)
+        planned = await self._copy_plan(ino, ref, dest)
+        if planned is None:
             return False
-        size = plan.size if plan is not None else ref.stored_bytes
+        plan, size = planned
         if size > dest.capacity:
             return False  # can never be there (a file bigger than L2 stays on L3)
         if not await self._reserve(dest, size):
@@ -360,6 +359,16 @@ class Mover:
         await self._delete_source(ref)
         return True
 
+    async def _copy_plan(self, ino: int, ref: ObjectRef, dest: Tier):
+        """(plan, size) of a move's copy: sealed or opened on the way, it has another size (kvfs/sealing.py).
+        None when it cannot be planned (the move failed: counted and logged)."""
+        try:
+            plan = await self.store.copy_plan(ref, dest, self.store.tenants.of_inode(self.index, ino))
+        except Exception as e:
+            self._move_failed(ino, ref, dest, e)
+            return None
+        return plan, plan.size if plan is not None else ref.stored_bytes
+
     async def _publish_locked(self, row, dest: Tier) -> bool:
         """Demotion to a shared L4: the file is published under its path, once, by whoever is first
         (If-None-Match: *). A file published already (a local copy of it) only switches back to it. A name
@@ -378,12 +387,10 @@ class Mover:
             if key is None:
                 self._conflicts.add(ino)  # no single path (hard links, odd names): it cannot be shared
                 return False
-            try:
-                plan = await self.store.copy_plan(ref, dest, self.store.tenants.of_inode(self.index, ino))  # sealed on the way up: another size
-            except Exception as e:
-                self._move_failed(ino, ref, dest, e)
+            planned = await self._copy_plan(ino, ref, dest)
+            if planned is None:
                 return False
-            size = plan.size if plan is not None else ref.stored_bytes
+            plan, size = planned
             if not await self._reserve(dest, size):
                 return False
             meta = {"kvfs-mode": oct(row["mode"]), **encode_xattrs(self._user_xattrs(ino))}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 from collections.abc import Iterable, Iterator, Sequence
 
 from . import crypto
@@ -74,13 +73,13 @@ def plan(layout: Layout, dest: Tier, ring: crypto.KeyRing | None, tenant: str | 
     """How a copy of the object into `dest` must change it; None: copied as it is. A tenant's file is sealed
     with the tenant's key wherever it goes (and never opened on the way)."""
     sealing = layout.header.sealing
-    tenant_key = ring.tenants.get(tenant) if ring is not None and tenant is not None else None
+    tenant_key = ring.tenant_key(tenant) if ring is not None else None
     if tenant_key is not None:
-        return _seal_plan(layout, tenant_key) if sealing is None else None
+        return _seal_plan(layout, ring, tenant_key) if sealing is None else None
     if getattr(dest, "sealed", False) and sealing is None:
         if ring is None or ring.current is None:
             raise OSError(errno.EIO, f"{dest.name} holds sealed objects only, and no key is loaded")
-        return _seal_plan(layout, ring.current, ring)
+        return _seal_plan(layout, ring, ring.current)
     if not getattr(dest, "sealed", False) and sealing is not None and ring is not None:
         if sealing[0] in {k.key_id for k in ring.tenants.values()}:
             return None  # a tenant's object (moved out of its directory?) stays sealed with its key
@@ -92,10 +91,9 @@ def plan(layout: Layout, dest: Tier, ring: crypto.KeyRing | None, tenant: str | 
     return None
 
 
-def _seal_plan(layout: Layout, key: crypto.Key, ring: crypto.KeyRing | None = None) -> Transcode:
-    nonce = os.urandom(crypto.NONCE_BYTES)
-    cipher = ring.cipher(key.key_id, nonce) if ring is not None else key.object_cipher(nonce)
-    return Transcode(layout, layout.header.sealed_with(key.key_id, nonce), None, cipher)
+def _seal_plan(layout: Layout, ring: crypto.KeyRing, key: crypto.Key) -> Transcode:
+    header, cipher = ring.sealed_header(layout.header, key)
+    return Transcode(layout, header, None, cipher)
 
 
 def copy(t: Transcode, source: Tier, object_id: str, dest: Tier, new_id: str,
@@ -112,34 +110,23 @@ def copy(t: Transcode, source: Tier, object_id: str, dest: Tier, new_id: str,
 def transcode_body(t: Transcode, body: bytes) -> bytes:
     """The transcoded copy of an object held in memory (a publish uploads one body)."""
     view = memoryview(body)
-    frames, offset = [], t.header.data_offset
-    for e in t.source.frames:
-        frames.append(_frame_out(t, e, view[e.offset:e.offset + e.stored_len], offset))
-        offset += len(frames[-1].payload)
-    entries = _entries(t, frames)
-    return b"".join([fmt.pack_head(t.header, entries), *(f.payload for f in frames if f.payload)])
+    frames = [_plain_frame(t, e, view[e.offset:e.offset + e.stored_len]) for e in t.source.frames]
+    return b"".join(fmt.build_object(t.header, frames, t.cipher_out)[0])
 
 
 def _first_pass(t: Transcode, source: Tier, object_id: str) -> tuple[list[fmt.FrameEntry], list[bytes] | None]:
-    frames, kept, total = [], [], 0
+    """The copy's frame table, and its payloads while they stay within KEEP_LIMIT (else None)."""
+    entries: list[fmt.FrameEntry] = []
+    kept: list[bytes] | None = []
     offset = t.header.data_offset
     for e in t.source.frames:
         f = _frame_out(t, e, _payload(source, object_id, e), offset)
+        entries.append(f.entry_at(offset))
         offset += len(f.payload)
-        total += len(f.payload)
-        if kept is not None and total <= KEEP_LIMIT:
+        if kept is not None and offset - t.header.data_offset <= KEEP_LIMIT:
             kept.append(f.payload)
         else:
             kept = None
-        frames.append(dataclasses.replace(f, payload=b"") if kept is None else f)
-    entries = []
-    offset = t.header.data_offset
-    for e, f in zip(t.source.frames, frames):
-        size = 0 if f.is_hole else e.stored_len + (crypto.SEAL_OVERHEAD if t.cipher_out is not None
-                                                   else -crypto.SEAL_OVERHEAD)
-        entries.append(fmt.FrameEntry(offset, size, f.raw_len, f.codec, f.transform, f.flags, f.stored_xxh3,
-                                      f.raw_xxh3))
-        offset += size
     return entries, kept
 
 
@@ -158,26 +145,21 @@ def _second_pass(t: Transcode, source: Tier, object_id: str, entries: list[fmt.F
         yield f.payload
 
 
-def _entries(t: Transcode, frames: list[fmt.EncodedFrame]) -> list[fmt.FrameEntry]:
-    entries, offset = [], t.header.data_offset
-    for f in frames:
-        entries.append(f.entry_at(offset))
-        offset += len(f.payload)
-    return entries
-
-
-def _frame_out(t: Transcode, e: fmt.FrameEntry, payload, offset: int | None = None) -> fmt.EncodedFrame:
+def _frame_out(t: Transcode, e: fmt.FrameEntry, payload, offset: int) -> fmt.EncodedFrame:
     """Frame `e` of the source as the copy holds it, for payload offset `offset` of the copy."""
+    plain = _plain_frame(t, e, payload)
+    return plain if t.cipher_out is None else fmt.seal_frame(plain, offset, t.cipher_out)
+
+
+def _plain_frame(t: Transcode, e: fmt.FrameEntry, payload) -> fmt.EncodedFrame:
+    """Frame `e` of the source, verified and opened (when sealed): ready to be laid out or sealed again."""
     if e.is_hole:
         return fmt.EncodedFrame.hole(e.raw_len)
     if t.cipher_in is not None:
         plain_entry, plain = fmt.open_sealed(e, payload, t.cipher_in)
         return fmt.EncodedFrame.from_entry(plain_entry, plain)
-    if len(payload) != e.stored_len or fmt.xxh3(payload) != e.stored_xxh3:
-        raise fmt.CorruptObject("frame payload checksum mismatch")  # sealed, it would pass for good bytes
-    if offset is None:
-        raise ValueError("a sealed frame needs its offset")
-    return fmt.seal_frame(fmt.EncodedFrame.from_entry(e, bytes(payload)), offset, t.cipher_out)
+    fmt.check_payload(e, payload)  # before sealing: sealed, bad bytes would pass for good ones
+    return fmt.EncodedFrame.from_entry(e, bytes(payload))
 
 
 def _payload(source: Tier, object_id: str, e: fmt.FrameEntry) -> bytes:

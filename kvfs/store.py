@@ -156,7 +156,7 @@ class Store:
         oid = object_id(ino, gen)
         charged = bound
         cipher = None
-        tenant_key = self.keyring.tenants.get(tenant) if self.keyring is not None and tenant is not None else None
+        tenant_key = self.keyring.tenant_key(tenant) if self.keyring is not None else None
         if tenant_key is not None or getattr(tier, "sealed", False):
             header, cipher = self._sealed_header(header, tier, tenant_key)
         try:
@@ -184,8 +184,7 @@ class Store:
         key = key or (self.keyring.current if self.keyring is not None else None)
         if key is None:
             raise OSError(errno.EIO, f"{tier.name} holds sealed objects only, and no key is loaded")
-        nonce = os.urandom(crypto.NONCE_BYTES)
-        return header.sealed_with(key.key_id, nonce), self.keyring.cipher(key.key_id, nonce)
+        return self.keyring.sealed_header(header, key)
 
     async def copy_plan(self, ref: ObjectRef, dest: Tier, tenant: str | None = None) -> sealing.Transcode | None:
         """How a move of `ref` into `dest` changes the object (sealed or opened), None if not at all. Its
