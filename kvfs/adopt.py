@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from . import codecs
+from . import codecs, events
 from . import format as fmt
 from . import lossy as lossy_modes
 from .codecs import transforms
@@ -340,6 +340,11 @@ class Adopter:
                     value = lossy_modes.parse(value).describe().encode()
                 except ValueError as e:
                     raise AdoptRefused(errno.EINVAL, f"user.kvfs.lossy: {e}") from None
+            elif name == events.XA_BLOCKS:
+                try:
+                    events.parse_record(value)
+                except ValueError as e:
+                    raise AdoptRefused(errno.EINVAL, f"user.kvfs.blocks: {e}") from None
             elif name.startswith(b"user.kvfs.") and name not in (XA_DTYPE, XA_SHAPE):
                 continue  # informational (tier, codec, …): recomputed by kvfs
             kept.append((name, value))

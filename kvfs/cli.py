@@ -83,8 +83,13 @@ def main() -> None:
                    "(repeatable); deleting that key shreds them")
 @click.option("--encrypt", metavar="TIERS",
               help="tiers that hold sealed objects only, e.g. L4 (the default with a key), L3,L4, or none")
+@click.option("--events", "events_endpoint", metavar="ENDPOINT",
+              help="publish KV events (vLLM's wire format) on a ZMQ PUB endpoint, e.g. tcp://*:5557 (docs/events.md)")
+@click.option("--events-replay", "events_replay", metavar="ENDPOINT",
+              help="a ZMQ ROUTER endpoint where subscribers replay missed event batches, e.g. tcp://*:5558")
 def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_takeover, force, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
-          log_file, debug, metrics_port, metrics_address, key_file, old_key_files, tenant_keys, encrypt):
+          log_file, debug, metrics_port, metrics_address, key_file, old_key_files, tenant_keys, encrypt,
+          events_endpoint, events_replay):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
@@ -95,7 +100,7 @@ def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_take
                            metrics_address=metrics_address,
                            l4_takeover="force" if force else "expired" if l4_takeover else None,
                            key_file=key_file, old_key_files=old_key_files, encrypt=encrypt,
-                           tenant_keys=tenant_keys)
+                           tenant_keys=tenant_keys, events=events_endpoint, events_replay=events_replay)
         if cfg.encryption.enabled:
             from .daemon import load_keyring
 
@@ -386,6 +391,25 @@ def fsck(mountpoint, repair, config_file, state_dir, l2, l3, l4, as_json):
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(cli_fsck.offline(cfg, repair, as_json))
+
+
+@main.command()
+@click.argument("target", metavar="MOUNTPOINT|ENDPOINT")
+@click.option("--replay", metavar="ENDPOINT", help="the publisher's replay endpoint (default: the mount's)")
+@click.option("--from", "start", type=click.IntRange(min=0), metavar="SEQ",
+              help="first replay the buffered batches from sequence number SEQ on (0: all the publisher keeps)")
+@click.option("--count", type=click.IntRange(min=1), help="stop after N events")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
+@click.option("--topic", default="", help="the ZMQ topic to subscribe to (default: all)")
+def events(target, replay, start, count, as_json, topic):
+    """Print the KV events a mount publishes (--events): BlockStored / BlockRemoved per tier, as a router
+    receives them. TARGET is a mountpoint or a ZMQ endpoint such as tcp://127.0.0.1:5557."""
+    from . import cli_events
+
+    try:
+        cli_events.run(target, replay, start, count, as_json, topic)
+    except KeyboardInterrupt:
+        pass
 
 
 def _moved(files: int, nbytes: int) -> str:

@@ -140,6 +140,20 @@ class EncryptionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventsConfig:
+    """[events]: KV events in vLLM's wire format (kvfs/events.py); off without an endpoint."""
+    endpoint: str | None = None  # ZMQ PUB: '*' and ipc:// bind, other tcp:// addresses connect (as vLLM)
+    replay_endpoint: str | None = None  # ZMQ ROUTER for replays (always bound)
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+    media: tuple[tuple[str, str], ...] = ()  # tier name → medium in events (default: the tier's name)
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     mountpoint: Path | None  # None only for offline tools (kvfs fsck --config) given no mountpoint
     state_dir: Path
@@ -165,6 +179,7 @@ class Config:
     adopt_verify: str = "checksums"  # what adopting a staged object checks: ADOPT_VERIFY
     encryption: EncryptionConfig = EncryptionConfig()
     quotas: tuple[tuple[str, str], ...] = ()  # [quotas]: directory (relative to the root) → spec (kvfs/quotas.py)
+    events: EventsConfig = EventsConfig()
 
     @property
     def lossy_mode(self) -> lossy.Lossy:
@@ -330,10 +345,12 @@ def build_config(
     old_key_files: tuple[str | Path, ...] = (),
     encrypt: str | None = None,
     tenant_keys: tuple[str, ...] = (),
+    events: str | None = None,
+    events_replay: str | None = None,
 ) -> Config:
     """Merge embedded defaults < TOML file < command line into one Config."""
     toml = load_toml(Path(config_file)) if config_file else {}
-    unknown = set(toml) - {"mount", "l2", "l3", "l4", "encryption", "quotas"}
+    unknown = set(toml) - {"mount", "l2", "l3", "l4", "encryption", "quotas", "events"}
     if unknown:
         raise ConfigError(f"unknown config sections: {sorted(unknown)}")
     mount_t = toml.get("mount", {})
@@ -411,7 +428,31 @@ def build_config(
         adopt_verify=adopt_verify,
         encryption=encryption,
         quotas=quota_specs,
+        events=_events_config(toml.get("events", {}), events, events_replay,
+                              [t.name for t in (l2_tier, l3_tier, l4_tier) if t is not None]),
     )
+
+
+def _events_config(section: dict, endpoint: str | None, replay: str | None, tiers: list[str]) -> EventsConfig:
+    unknown = set(section) - {"endpoint", "replay_endpoint", "topic", "buffer_steps", "media"}
+    if unknown:
+        raise ConfigError(f"unknown keys in [events]: {sorted(unknown)}")
+    endpoint = endpoint or section.get("endpoint")
+    replay = replay or section.get("replay_endpoint")
+    for what, value in (("events endpoint", endpoint), ("events replay endpoint", replay)):
+        if value is not None and not re.match(r"^(tcp|ipc|inproc)://\S+$", str(value)):
+            raise ConfigError(f"{what} must be a ZMQ endpoint such as tcp://*:5557 or ipc:///run/kvfs.events, "
+                              f"got {value!r}")
+    if replay and not endpoint:
+        raise ConfigError("an events replay endpoint needs an events endpoint (--events)")
+    media = section.get("media", {})
+    if not isinstance(media, dict) or set(media) - set(tiers):
+        raise ConfigError(f"[events] media maps tier names ({', '.join(tiers)}) to medium names, got {media!r}")
+    steps = section.get("buffer_steps", 10_000)
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"[events] buffer_steps must be a positive integer, got {steps!r}")
+    return EventsConfig(endpoint=endpoint, replay_endpoint=replay, topic=str(section.get("topic", "")),
+                        buffer_steps=steps, media=tuple((k, str(v)) for k, v in media.items()))
 
 
 def _quota_config(section: dict, tiers: list[str]) -> tuple[tuple[str, str], ...]:

@@ -28,6 +28,7 @@ from .index import Index
 from .locks import InodeLocks
 from .mover import Mover
 from .quotas import Quotas
+from .events import EventSource, Publisher
 from .reconcile import reconcile
 from .sealing import Tenants
 from .shared import SharedNamespace
@@ -134,6 +135,8 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     if shared:
         ops.shared = SharedNamespace(index, store, shared[0])
 
+    publisher = _start_events(config, ops)  # bound before mounting, as the metrics port
+
     options = set(pyfuse3.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if config.allow_other:
@@ -146,6 +149,8 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     except RuntimeError as e:  # libfuse said why on stderr (the log): no access to /dev/fuse, not permitted, …
         if exporter is not None:
             exporter.close()
+        if publisher is not None:
+            publisher.close()
         raise SystemExit(f"kvfs: mounting {config.mountpoint} failed ({e}): see the lines above") from None
     log.info("mounted %s (%s; codec %s, promotion %s, %d files)", config.mountpoint,
              ", ".join(f"{t.name} {t.describe()} {_capacity(t.capacity)}" for t in config.tiers), config.codec,
@@ -158,11 +163,27 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     finally:
         if exporter is not None:
             exporter.close()
+        if publisher is not None:
+            publisher.close()
         pyfuse3.close(unmount=True)
         ops.pages.helpers.close()  # after the unmount: a stat still waiting fails with it
         index.close()
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
     return 0
+
+
+def _start_events(config: Config, ops: Operations) -> Publisher | None:
+    ev = config.events
+    if not ev.enabled:
+        return None
+    try:
+        publisher = Publisher(ev.endpoint, ev.replay_endpoint, ev.topic, ev.buffer_steps)
+    except Exception as e:  # zmq.ZMQError: the address is in use or not ours
+        raise SystemExit(f"kvfs: cannot publish KV events on {ev.endpoint}"
+                         f"{' / ' + ev.replay_endpoint if ev.replay_endpoint else ''}: {e}") from None
+    ops.events = EventSource(ops.index, publisher, dict(ev.media))
+    log.info("KV events on %s%s", publisher.endpoint, f", replay on {ev.replay_endpoint}" if ev.replay_endpoint else "")
+    return publisher
 
 
 def load_keyring(config: Config) -> crypto.KeyRing | None:
@@ -242,12 +263,16 @@ async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.
         nursery.start_soon(ops.adopter.sweep_periodically)
         if claim is not None:
             nursery.start_soon(claim.keep)
+        if ops.events is not None:
+            nursery.start_soon(ops.events.run)
         if ops.shared is not None:
             nursery.start_soon(ops.shared.log_reads_periodically, ops.shared.tier.location.access_log_s)
         await pyfuse3.main()
         # main() returned: the kernel unmounted us, or a signal asked us to stop
         sdnotify.notify("STOPPING=1", f"STATUS=unmounting {ops.config.mountpoint}")
         await ops.commit_all()
+        if ops.events is not None:
+            ops.events.drain()  # the last changes reach subscribers before the publisher closes
         if ops.shared is not None:
             with trio.move_on_after(10):
                 await ops.shared.flush_reads()

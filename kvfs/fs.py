@@ -19,7 +19,7 @@ import time
 import pyfuse3
 import trio
 
-from . import crypto, direct, quotas
+from . import crypto, direct, events, quotas
 from . import staging
 from .adopt import Adopter, AdoptRefused
 from . import lossy as lossy_modes
@@ -146,6 +146,7 @@ class Operations(pyfuse3.Operations):
         self.started = time.monotonic()
         self.qat = None  # the QATzip codec when loaded (its mode is shown in the stats)
         self.shared = None  # kvfs.shared.SharedNamespace when L4 is a shared prefix
+        self.events = None  # kvfs.events.EventSource when the mount publishes KV events
         self.hotcold = HotCold(index, store, mover, counters, self.drop_file)  # pin, tier, prefetch, drop, idle
         self.latency = metrics.RequestLatency()  # read/write durations, exported with --metrics-port
         self.fsck = LiveFsck(self)  # fsck jobs started through setxattr on .kvfs
@@ -873,7 +874,13 @@ class Operations(pyfuse3.Operations):
             if state is not None:
                 state.policy.lossy = mode
             return
-        if name.startswith(XA_PREFIX):
+        if name == events.XA_BLOCKS:
+            try:
+                events.parse_record(bytes(value))
+            except ValueError as e:
+                log.info("rejected user.kvfs.blocks on inode %d: %s", inode, e)
+                raise _err(errno.EINVAL) from None
+        elif name.startswith(XA_PREFIX):
             raise _err(errno.EOPNOTSUPP)
         self.index.set_xattr(inode, name, bytes(value))
 
@@ -1019,7 +1026,8 @@ class Operations(pyfuse3.Operations):
                                   dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
                                   mover=self.mover.status(),
                                   qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"},
-                                  quotas=[q.doc() for q in self.mover.quotas.refresh()] if self.mover.quotas else [])
+                                  quotas=[q.doc() for q in self.mover.quotas.refresh()] if self.mover.quotas else [],
+                                  events=self.events.stats() if self.events is not None else None)
 
     async def commit_all(self) -> None:
         """At shutdown: commit files still open with unsaved writes (best effort, logged)."""

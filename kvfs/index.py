@@ -126,6 +126,49 @@ ON main.inodes BEGIN
 END;
 """
 
+# KV events (kvfs/events.py): a file with a user.kvfs.blocks record is announced in obj_tier while it has an
+# object and a name. Every change of that state, with the record, is logged here in the transaction that
+# makes it (so a rollback leaves no event); EventSource drains the log. TEMP, in memory, made only when the
+# mount publishes events.
+EVENT_LOG = """
+CREATE TEMP TABLE IF NOT EXISTS event_log (
+    id       INTEGER PRIMARY KEY,
+    old_tier TEXT,
+    new_tier TEXT,
+    value    BLOB NOT NULL
+);
+CREATE TEMP TRIGGER IF NOT EXISTS events_inode_update AFTER UPDATE OF obj_gen, obj_tier, nlink ON main.inodes
+WHEN (CASE WHEN OLD.obj_gen > 0 AND OLD.nlink > 0 THEN OLD.obj_tier END)
+     IS NOT (CASE WHEN NEW.obj_gen > 0 AND NEW.nlink > 0 THEN NEW.obj_tier END) BEGIN
+    INSERT INTO event_log (old_tier, new_tier, value)
+    SELECT CASE WHEN OLD.obj_gen > 0 AND OLD.nlink > 0 THEN OLD.obj_tier END,
+           CASE WHEN NEW.obj_gen > 0 AND NEW.nlink > 0 THEN NEW.obj_tier END, value
+    FROM main.xattrs WHERE inode = NEW.id AND name = X'{blocks}';
+END;
+CREATE TEMP TRIGGER IF NOT EXISTS events_inode_delete AFTER DELETE ON main.inodes
+WHEN OLD.obj_gen > 0 AND OLD.nlink > 0 BEGIN
+    INSERT INTO event_log (old_tier, new_tier, value)
+    SELECT OLD.obj_tier, NULL, value FROM main.xattrs WHERE inode = OLD.id AND name = X'{blocks}';
+END;
+CREATE TEMP TRIGGER IF NOT EXISTS events_record_insert AFTER INSERT ON main.xattrs
+WHEN NEW.name = X'{blocks}' BEGIN
+    INSERT INTO event_log (old_tier, new_tier, value)
+    SELECT NULL, obj_tier, NEW.value FROM main.inodes WHERE id = NEW.inode AND obj_gen > 0 AND nlink > 0;
+END;
+CREATE TEMP TRIGGER IF NOT EXISTS events_record_delete AFTER DELETE ON main.xattrs
+WHEN OLD.name = X'{blocks}' BEGIN
+    INSERT INTO event_log (old_tier, new_tier, value)
+    SELECT obj_tier, NULL, OLD.value FROM main.inodes WHERE id = OLD.inode AND obj_gen > 0 AND nlink > 0;
+END;
+CREATE TEMP TRIGGER IF NOT EXISTS events_record_update AFTER UPDATE OF value ON main.xattrs
+WHEN NEW.name = X'{blocks}' AND NEW.value IS NOT OLD.value BEGIN
+    INSERT INTO event_log (old_tier, new_tier, value)
+    SELECT obj_tier, NULL, OLD.value FROM main.inodes WHERE id = NEW.inode AND obj_gen > 0 AND nlink > 0;
+    INSERT INTO event_log (old_tier, new_tier, value)
+    SELECT NULL, obj_tier, NEW.value FROM main.inodes WHERE id = NEW.inode AND obj_gen > 0 AND nlink > 0;
+END;
+""".replace("{blocks}", b"user.kvfs.blocks".hex())
+
 # Columns that setattr-like updates may touch.
 _ATTR_COLUMNS = frozenset({"mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns"})
 
@@ -529,7 +572,8 @@ class Index:
 
     def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
         with self.transaction():
-            self.db.execute("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?, ?, ?)",
+            self.db.execute("INSERT INTO xattrs (inode, name, value) VALUES (?, ?, ?) "
+                            "ON CONFLICT (inode, name) DO UPDATE SET value = excluded.value",  # an UPDATE: events
                             (ino, name, value))
             self.db.execute("UPDATE inodes SET ctime_ns = ? WHERE id = ?", (time.time_ns(), ino))
 
@@ -539,6 +583,23 @@ class Index:
             if cur.rowcount:
                 self.db.execute("UPDATE inodes SET ctime_ns = ? WHERE id = ?", (time.time_ns(), ino))
         return cur.rowcount > 0
+
+    # -- KV events (kvfs/events.py) --------------------------------------------------------------
+    def enable_event_log(self) -> None:
+        self.db.executescript(EVENT_LOG)
+
+    def drain_event_log(self) -> list[tuple[str | None, str | None, bytes]]:
+        """The announcement changes committed since the last drain, oldest first: (old tier, new tier, record)."""
+        rows = self.db.execute("SELECT id, old_tier, new_tier, value FROM temp.event_log ORDER BY id").fetchall()
+        if rows:
+            self.db.execute("DELETE FROM temp.event_log WHERE id <= ?", (rows[-1][0],))
+        return [(r[1], r[2], r[3]) for r in rows]
+
+    def announced_blocks(self) -> Iterator[tuple[str, bytes]]:
+        """(tier, record) of every announced file: the state the event log changes."""
+        yield from self.db.execute(
+            "SELECT i.obj_tier, x.value FROM main.xattrs x JOIN main.inodes i ON i.id = x.inode "
+            "WHERE x.name = ? AND i.obj_gen > 0 AND i.nlink > 0", (b"user.kvfs.blocks",))
 
     # -- batched access times, durability --------------------------------------------------------
     def note_access(self, ino: int) -> None:

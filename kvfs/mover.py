@@ -45,7 +45,7 @@ from .ratelimit import Throttle
 from .stats import Counters
 from .store import ObjectRef, Store, credit_for
 from .tiers import Tier
-from .tiers.s3 import encode_xattrs
+from .tiers.s3 import encode_xattrs, travels
 
 log = logging.getLogger(__name__)
 
@@ -422,8 +422,7 @@ class Mover:
     def _user_xattrs(self, ino: int) -> list[tuple[bytes, bytes]]:
         """What other nodes get of a published file's attributes: user.* but kvfs's own (other tiers' metadata,
         e.g. vLLM's user.vllm.kv_crc32c)."""
-        return [(n, self.index.get_xattr(ino, n)) for n in self.index.list_xattrs(ino)
-                if n.startswith(b"user.") and not n.startswith(b"user.kvfs.")]
+        return [(n, self.index.get_xattr(ino, n)) for n in self.index.list_xattrs(ino) if travels(n)]
 
     def conflicted(self, ino: int) -> bool:
         """The shared L4 refused this file: another node published its name first."""

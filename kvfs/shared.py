@@ -20,9 +20,11 @@ import uuid
 
 import trio
 
+from .events import XA_BLOCKS, parse_record
 from .index import ROOT_INODE, Index
 from .store import Store
 from .tiers import Tier
+from .tiers.s3 import travels
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ class SharedNamespace:
                                          stored_bytes=facts["stored_bytes"], tier=self.tier.name, key=file_id,
                                          etag=facts["etag"], mtime_ns=facts["mtime_ns"])
         for key, value in facts.get("xattrs", []):  # other tiers' metadata, as the publishing node had it
-            if key.startswith(b"user.") and not key.startswith(b"user.kvfs."):
+            if travels(key) and (key != XA_BLOCKS or _valid_record(value)):
                 self.index.set_xattr(ino, key, value)
         self.store.charge(self.tier, facts["stored_bytes"])
         self.adopted += 1
@@ -141,3 +143,11 @@ class SharedNamespace:
 
     def forget_miss(self, parent: int, name: bytes) -> None:
         self._misses.pop((parent, name), None)
+
+
+def _valid_record(value: bytes) -> bool:
+    try:
+        parse_record(value)
+    except ValueError:
+        return False
+    return True

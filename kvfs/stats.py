@@ -62,7 +62,7 @@ class Counters:
 
 def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int, int, int]], config, started: float,
              open_files: int, dirty_bytes: int, read_bytes: dict[str, int], mover: dict, qat: dict,
-             quotas: list[dict] | None = None) -> dict:
+             quotas: list[dict] | None = None, events: dict | None = None) -> dict:
     """The statistics document: what .kvfs/stats serves as JSON and the metrics exporter turns into metrics."""
     tier_docs = {}
     logical_all = stored_all = 0
@@ -102,6 +102,7 @@ def document(*, counters: Counters, tiers, totals: dict[str, tuple[int, int, int
         "mover": mover,
         "qat": qat,
         "quotas": quotas or [],  # [{path, limits: {tier: bytes}, used: {tier: bytes}}] (kvfs/quotas.py)
+        "events": events,  # None when the mount publishes no KV events (kvfs/events.py)
         **_fields(counters, skip="tiers"),
     }
     return doc

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FUSERMOUNT, REPO, KvfsMount, drop_page_cache
+from test_tiers import wait_for
 
 sys.path.insert(0, str(REPO / "tools"))
 import vllm_driver
@@ -148,11 +149,19 @@ def baseline(workdir, prompts, tokens):
 
 @pytest.fixture(scope="module")
 def stored(workdir, prompts, baseline):
-    """A kvfs mount that engine 1 has filled (module scope: later tests reuse what it stored)."""
+    """A kvfs mount that engine 1 has filled (module scope: later tests reuse what it stored). Both publish
+    KV events, vLLM's own prefix cache and kvfs's mount: result["events"] has what one subscriber got."""
+    from kv_events import EventCollector  # imports vLLM
+
     m = KvfsMount(workdir, "shared")
-    m.start("--promote", "never")
-    result = run_engine(workdir / "e1", [{"prompts": prompts, **ROUND}],
-                        connector(m.mountpoint))
+    kvfs_events, vllm_events = f"ipc://{workdir}/kvfs.events", f"ipc://{workdir}/vllm.events"
+    m.start("--promote", "never", "--events", kvfs_events)
+    with EventCollector([kvfs_events, vllm_events]) as collector:
+        result = run_engine(workdir / "e1", [{"prompts": prompts, **ROUND}],
+                            connector(m.mountpoint), prefix_caching=True, kv_events_endpoint=vllm_events)
+        chunks = len(chunk_files(m.mountpoint))
+        wait_for(lambda: len(collector.events(kvfs_events)) > chunks, what="kvfs's events for every chunk")
+    result["events"] = {"kvfs": collector.events(kvfs_events), "vllm": collector.events(vllm_events)}
     yield m, result
     if m.proc is not None:
         assert m.stop() == 0
@@ -181,6 +190,35 @@ def test_fresh_engine_loads_what_another_stored(stored, baseline, prompts, workd
     assert cached(second) == [expected_hit(len(p), len(p) + 15) for p in prompts]
     assert all(c > 0 for c in cached(second))
     assert m.stats()["tiers"]["L2"]["hits"] >= len(files) - 1
+
+
+def test_kvfs_announces_the_blocks_vllm_announced(stored):
+    """A router that follows vLLM's KV events finds kvfs's chunks under the same block hashes, with the same
+    tokens: every block kvfs announces in L2, vLLM announced (medium GPU) for the same tokens."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+    m, first = stored
+    kvfs_events, vllm_events = first["events"]["kvfs"], first["events"]["vllm"]
+    vllm_tokens = {}
+    for ev in vllm_events:
+        if isinstance(ev, BlockStored):
+            for i, h in enumerate(ev.block_hashes):
+                vllm_tokens[h] = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+    assert vllm_tokens and {ev.medium for ev in vllm_events if isinstance(ev, BlockStored)} == {"GPU"}
+    assert isinstance(kvfs_events[0], AllBlocksCleared)
+    stored_events = kvfs_events[1:]
+    assert all(isinstance(ev, BlockStored) and ev.medium == "L2" for ev in stored_events)
+    assert len(stored_events) == len(chunk_files(m.mountpoint))  # one per chunk file: rank 0's
+    for ev in stored_events:
+        assert len(ev.block_hashes) == CHUNK // ev.block_size
+        for i, h in enumerate(ev.block_hashes):
+            assert vllm_tokens.get(h) == ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+    # the chunk files are named by the last block's hash: the events name the same blocks (in vLLM's external
+    # form: its low 64 bits as an int by default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    external = {p.stem[-16:] if isinstance(stored_events[0].block_hashes[-1], int) else p.stem
+                for p in chunk_files(m.mountpoint)}
+    assert {h.hex() if isinstance(h, bytes) else f"{h:016x}" for h in (ev.block_hashes[-1] for ev in stored_events)
+            } == external
 
 
 def test_restarted_daemon_and_data_only_in_l3(stored, baseline, prompts, workdir):

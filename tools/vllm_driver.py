@@ -8,7 +8,7 @@ stdin or in a file:
                                         "kv_connector_extra_config": {...}},
      "rounds": [ {"prompts": [[token ids], ...], "max_tokens": 8, "concurrency": 8}, ... ],
      "max_model_len": 8192, "kv_cache_gib": 1, "block_size": null, "dtype": null,
-     "num_gpu_blocks_override": null, "atomic_groups": false}
+     "num_gpu_blocks_override": null, "atomic_groups": false, "kv_events_endpoint": null}
 
 dtype null means engine_dtype(): bfloat16 where the CPU computes it natively, float32 elsewhere.
 
@@ -82,6 +82,11 @@ def run(job: dict) -> dict:
         kwargs["num_gpu_blocks_override"] = job["num_gpu_blocks_override"]
     if job.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(kv_role="kv_both", **job["connector"])
+    if job.get("kv_events_endpoint"):  # vLLM's own KV events (its prefix cache's blocks), e.g. ipc:///tmp/ev
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=job["kv_events_endpoint"])
     engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
     started = time.perf_counter() - t0
 

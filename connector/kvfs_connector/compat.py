@@ -155,3 +155,12 @@ def worker_rank() -> int:
 
     tp = parallel_state.get_tp_group()
     return parallel_state.get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+
+
+def external_block_hash(block_hash: bytes) -> bytes | int:
+    """A block hash as vLLM's KV events publish it (bytes, or an int under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES):
+    a router then finds kvfs's blocks under the names the engine's own events gave them. 0.32-0.34:
+    vllm.v1.core.kv_cache_utils.maybe_convert_block_hash."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash(bytes(block_hash))

@@ -73,7 +73,8 @@ class KVFSConnector(KVConnectorBase_V1):
                                    save_decode=self.settings.save_decode, guard=self.guard,
                                    prefetch=self.settings.prefetch,
                                    demote_after_idle_s=self.settings.demote_after_idle_s,
-                                   tenant_dirs=self.settings.tenant_dirs, tenant_secret=_tenant_secret(self.settings))
+                                   tenant_dirs=self.settings.tenant_dirs, tenant_secret=_tenant_secret(self.settings),
+                                   record_blocks=self.settings.record_blocks)
             log.info("kvfs connector: %s, chunks of %d tokens, layout %s", self.guard.path, self.chunk_size,
                      self.layout_name)
 

@@ -11,6 +11,7 @@ from kvfs import direct
 XA_DTYPE = "user.kvfs.dtype"
 XA_SHAPE = "user.kvfs.shape"
 XA_LOSSY = "user.kvfs.lossy"
+XA_BLOCKS = "user.kvfs.blocks"  # the chunk's vLLM blocks (kvfs/events.py): what kvfs's KV events announce
 XA_PREFETCH = "user.kvfs.prefetch"  # the hot/cold API (kvfs/hotcold.py): promote in the background
 XA_IDLE = "user.kvfs.idle"  # the idle policy: not read for N seconds, down a tier
 

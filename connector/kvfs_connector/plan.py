@@ -10,6 +10,8 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
+from kvfs.events import BlockRecord, encode_record
+
 from . import compat, files
 from .chunkfile import token_digest
 from .mount import MountGuard
@@ -38,6 +40,7 @@ class SaveSpec:
     n_tokens: int
     token_digest: bytes
     block_ids: list[int]
+    blocks: bytes | None = None  # kvfs.events.BlockRecord of the chunk (user.kvfs.blocks on rank 0's file)
 
 
 @dataclasses.dataclass
@@ -50,8 +53,10 @@ class RequestState:
 class Planner:
     def __init__(self, *, mount: str, namespaces: Callable[[], Sequence[str]], block_size: int, hash_block_size: int,
                  chunk_size: int, save_decode: bool, guard: MountGuard, prefetch: bool = False,
-                 demote_after_idle_s: int = 0, tenant_dirs: bool = False, tenant_secret: bytes | None = None) -> None:
+                 demote_after_idle_s: int = 0, tenant_dirs: bool = False, tenant_secret: bytes | None = None,
+                 record_blocks: bool = True) -> None:
         self.mount = mount
+        self.record_blocks = record_blocks
         self.tenant_dirs = tenant_dirs  # salted requests' chunks under a directory per tenant (naming.tenant_dir)
         self.tenant_secret = tenant_secret
         self._namespace_factory = namespaces  # called once, on first use: vLLM seeds its hashes after init
@@ -192,9 +197,22 @@ class Planner:
             if paths is None or len(blocks) < per_chunk or len(request.all_token_ids) < end:
                 break  # hash or blocks not there yet (asynchronous scheduling): try next step
             out.append(SaveSpec(request.request_id, paths, k * C, C, token_digest(request.all_token_ids[:end]),
-                                blocks))
+                                blocks, self.block_record(request, k) if self.record_blocks else None))
             state.next_chunk += 1
         return out
+
+    def block_record(self, request, chunk: int) -> bytes:
+        """The vLLM blocks chunk `chunk` holds, as vLLM's own BlockStored describes them (kvfs/events.py):
+        kvfs announces them to routers in the tier the file is in."""
+        per_hash = self.hash_block_size
+        first, end = chunk * self.chunk_size // per_hash, (chunk + 1) * self.chunk_size // per_hash
+        hashes = request.block_hashes
+        lora = getattr(request, "lora_request", None)
+        return encode_record(BlockRecord(
+            block_hashes=[compat.external_block_hash(h) for h in hashes[first:end]],
+            parent_block_hash=compat.external_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(request.all_token_ids[chunk * self.chunk_size:(chunk + 1) * self.chunk_size]),
+            block_size=per_hash, lora_name=lora.name if lora is not None else None))
 
     def _prefetch(self, request, chunks: int) -> None:
         """Chunks a request will load go to kvfs's fastest tier in the background: a request waiting for

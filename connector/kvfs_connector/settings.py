@@ -34,6 +34,7 @@ class Settings:
     demote_after_idle_s: int = 0  # a finished request's chunks go down a tier when not read for this long; 0 = off
     tenant_dirs: bool = False  # a request with a cache_salt keeps its chunks under <mount>/tenant-<hmac of salt>/
     tenant_dir_secret_file: str | None = None  # the HMAC key of those names (a file; recommended with tenant_dirs)
+    record_blocks: bool = True  # a chunk's vLLM block hashes and tokens in user.kvfs.blocks: kvfs's KV events
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:

@@ -244,7 +244,10 @@ class WorkerSide:
                 return
             parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
                                     slot[:self.payload_bytes].numpy())
-            how = files.write_atomic(path, parts, self.xattrs, self.direct_writes)
+            xattrs = self.xattrs
+            if spec.blocks is not None and self.rank == 0:  # one announcement per chunk, not one per rank
+                xattrs = {**xattrs, files.XA_BLOCKS: spec.blocks}
+            how = files.write_atomic(path, parts, xattrs, self.direct_writes)
             if how is not None:
                 self.stats["saved_chunks"] += 1
                 self.stats["saved_bytes"] += self.payload_bytes

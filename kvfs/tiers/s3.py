@@ -432,6 +432,12 @@ class _Multipart:
 XATTRS_META_MAX = 1536  # of S3's 2 KiB of user metadata: the rest is kvfs's own fields
 
 
+def travels(name: bytes) -> bool:
+    """Whether a file's attribute goes with it to other nodes: user.* but kvfs's own, except the blocks record
+    (kvfs/events.py: the node that adopts the file announces its blocks too)."""
+    return name.startswith(b"user.") and (not name.startswith(b"user.kvfs.") or name == b"user.kvfs.blocks")
+
+
 def encode_xattrs(xattrs: list[tuple[bytes, bytes]]) -> dict[str, str]:
     """A file's user.* attributes as one S3 metadata value (JSON of base64), or nothing when they do not fit:
     then only the publishing node has them."""
