@@ -55,6 +55,13 @@ RESERVE_BATCH = 32
 XA_DTYPE, XA_SHAPE, XA_LOSSY = b"user.kvfs.dtype", b"user.kvfs.shape", b"user.kvfs.lossy"
 
 
+class Shed(OSError):
+    """A sheddable adoption refused while the mover is congested: counted, not logged (there may be many)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EBUSY, "the mover is behind: sheddable saves are refused")
+
+
 class AdoptRefused(Exception):
     """A staged object or request that cannot be adopted: answered with `errno`, the reason logged."""
 
@@ -225,6 +232,9 @@ class Adopter:
     async def _adopt(self, parent: int, req: AdoptRequest, staged: Path, tier: DirectoryTier, ctx) -> None:
         """Reserve an inode and room, then verify and move the object in one worker-thread hop, then name it."""
         ops = self.ops
+        if req.shed and ops.mover.congested():  # back-pressure: a save the writer can do without
+            ops.counters.saves_shed += 1
+            raise Shed()
         xattrs = self._checked_xattrs(req.xattrs)
         self._check_directory(parent, req.name)
         if ops.store.tenants.of_inode(ops.index, parent) is not None:

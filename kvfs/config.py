@@ -167,6 +167,7 @@ class Config:
     lossy: str = "none"  # opt-in lossy mode for every file whose dtype is known (kvfs/lossy.py)
     frame_size: int = DEFAULT_FRAME_SIZE
     max_dirty: int = 256 << 20  # bytes of unsaved frames across open files (build_config: default_max_dirty())
+    max_backlog: int | None = None  # [mount] max_backlog: L2 bytes behind that mean congested (None: 15% of L2)
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
@@ -395,6 +396,7 @@ def build_config(
     if frame_size % 4096 or not (64 << 10) <= frame_size <= (16 << 20):
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
     max_dirty = parse_size(mount_t["max_dirty"]) if "max_dirty" in mount_t else default_max_dirty()
+    max_backlog = _max_backlog(mount_t.get("max_backlog"), l2_tier.capacity)
     adopt_verify = mount_t.get("adopt_verify", "checksums")
     if adopt_verify not in ADOPT_VERIFY:
         raise ConfigError(f"adopt_verify must be one of {', '.join(ADOPT_VERIFY)}, got {adopt_verify!r}")
@@ -416,6 +418,7 @@ def build_config(
         lossy=lossy_spec,
         frame_size=frame_size,
         max_dirty=max_dirty,
+        max_backlog=max_backlog,
         allow_other=bool(mount_t.get("allow_other", False) if allow_other is None else allow_other),
         foreground=foreground,
         debug=debug or bool(mount_t.get("debug", False)),
@@ -453,6 +456,22 @@ def _events_config(section: dict, endpoint: str | None, replay: str | None, tier
         raise ConfigError(f"[events] buffer_steps must be a positive integer, got {steps!r}")
     return EventsConfig(endpoint=endpoint, replay_endpoint=replay, topic=str(section.get("topic", "")),
                         buffer_steps=steps, media=tuple((k, str(v)) for k, v in media.items()))
+
+
+def _max_backlog(value, l2_capacity: int) -> int | None:
+    """A size, or a percentage of L2's capacity."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            share = -1
+        if not 0 < share <= 1:
+            raise ConfigError(f"max_backlog {value!r}: a percentage must be in (0, 100]")
+        return int(share * l2_capacity)
+    return parse_size(text)
 
 
 def _quota_config(section: dict, tiers: list[str]) -> tuple[tuple[str, str], ...]:

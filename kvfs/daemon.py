@@ -127,6 +127,7 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     locks = InodeLocks()
     mover = Mover(store, index, config.tiers, config.promotion, counters, locks, config.idle_s)
     store.place = mover.place
+    mover.max_backlog = config.max_backlog
     mover.quotas = Quotas(index, [t.name for t in tiers], dict(config.quotas))
     mover.write_through = any(t.s3 is not None and t.s3.write_policy == "through" for t in config.tiers)
     ops = Operations(config, index, store, mover, locks, counters)

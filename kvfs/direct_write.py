@@ -41,7 +41,7 @@ _offers: dict[str, tuple[float, Offer]] = {}  # directory → (expiry, offer)
 
 def write_file(path: str | os.PathLike, data: Buffer | Sequence[Buffer], *, dtype: str | None = None,
                shape: str | bytes | None = None, xattrs: Mapping[str, bytes] | None = None, mode: int = 0o666,
-               exclusive: bool = False, threads: int = 1) -> bool:
+               exclusive: bool = False, threads: int = 1, shed: bool = False) -> bool:
     """Write a whole file into a kvfs mount, atomically (readers see the old file, or none, or all of it).
     Returns True when it went past FUSE (encoded here, adopted by the daemon), False when written through
     the mount (always for an empty file: there is no object to move).
@@ -49,7 +49,9 @@ def write_file(path: str | os.PathLike, data: Buffer | Sequence[Buffer], *, dtyp
     data: one buffer or a sequence of buffers (concatenated). dtype, shape: user.kvfs.dtype and
     user.kvfs.shape of the new file (they guide the codec). xattrs: other user.* attributes it is created
     with. mode: permission bits before the umask. exclusive: FileExistsError if the name exists (otherwise
-    it is replaced, as by rename). threads: frames encoded in parallel.
+    it is replaced, as by rename). threads: frames encoded in parallel. shed: a save the caller can do
+    without: while the mount's mover is behind (user.kvfs.congested) the adoption is refused with EBUSY
+    instead of waiting for room, and nothing is written.
     Raises OSError as a write through the mount would (ENOSPC when no tier has room, …)."""
     path = os.fspath(path)
     parts = [memoryview(p).cast("B") for p in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data)]
@@ -67,7 +69,7 @@ def write_file(path: str | os.PathLike, data: Buffer | Sequence[Buffer], *, dtyp
             staged = _stage(offer, parts, attrs, threads)  # the offer may have changed (a remount)
         if staged is not None:
             request = AdoptRequest(os.path.basename(staged), os.fsencode(name), mode, exclusive,
-                                   tuple((k.encode(), v) for k, v in attrs.items()))
+                                   tuple((k.encode(), v) for k, v in attrs.items()), shed)
             crash_point("writer-staged")
             try:
                 os.setxattr(directory, XA_ADOPT, request.encode())

@@ -21,14 +21,14 @@ import trio
 
 from . import crypto, direct, events, quotas
 from . import staging
-from .adopt import Adopter, AdoptRefused
+from .adopt import Adopter, AdoptRefused, Shed
 from . import lossy as lossy_modes
 from . import metrics
 from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
 from .fsck_live import XA_FSCK, LiveFsck, Refused
-from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, HotCold, RequestError
+from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, XA_TTL, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index, object_id
 from .locks import InodeLocks
 from .mover import Mover
@@ -61,7 +61,8 @@ INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes",
 XA_OBJECT = direct.XA_OBJECT.encode()  # where the object lies, for readers past FUSE; readable, not listed
 XA_STAGING = staging.XA_STAGING.encode()  # on a directory: the direct-write offer (kvfs/adopt.py)
 XA_ADOPT = staging.XA_ADOPT.encode()  # set on a directory: adopt a staged object as a file there
-IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT)  # set/remove succeed and change nothing (cp -a, rsync -X)
+XA_CONGESTED = b"user.kvfs.congested"  # 1 while the mover is behind: writers that can, shed saves (back-pressure)
+IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT, XA_CONGESTED)  # set/remove succeed and change nothing (cp -a, rsync -X)
 SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 
 # errnos that are answers, not daemon faults: passed through without a traceback
@@ -130,6 +131,7 @@ class Operations(pyfuse3.Operations):
         mover.open_file = self.open_files_get
         mover.drop_names = self.drop_evicted
         mover.forget_names = self.forget_names
+        mover.drop_file = self.drop_file
         self.codec = None if config.codec == "auto" else by_name(config.codec)  # None: chosen per file
         self.nursery: trio.Nursery | None = None  # set by the daemon before the mount goes live
         self.initialized = trio.Event()  # set at the kernel's INIT (daemon: tune the mount after it)
@@ -772,6 +774,8 @@ class Operations(pyfuse3.Operations):
             return await self._object_xattr(inode, row)
         if name == XA_STAGING and stat.S_ISDIR(row["mode"]):
             return self.adopter.offer(inode)
+        if name == XA_CONGESTED:
+            return b"1" if self.mover.congested() else b"0"
         if name in REQUEST_XATTRS:
             value = self.hotcold.read(inode, name)
             if value is None:
@@ -887,6 +891,8 @@ class Operations(pyfuse3.Operations):
     async def _adopt(self, parent: int, value: bytes, ctx) -> None:
         try:
             await self.adopter.adopt(parent, value, ctx)
+        except Shed as e:
+            raise _err(e.errno) from None
         except AdoptRefused as e:
             self.counters.adopt_refusals += 1
             log.info("adopt request in directory inode %d refused: %s", parent, e.reason)
@@ -908,6 +914,9 @@ class Operations(pyfuse3.Operations):
             return
         if name == XA_IDLE:
             self.hotcold.set_idle(inode, None)  # back to the mount's default
+            return
+        if name == XA_TTL:
+            self.hotcold.set_ttl(inode, None)
             return
         if name in IGNORED_XATTRS or name in REQUEST_XATTRS:
             return

@@ -16,6 +16,9 @@ A request on a directory applies to every regular file of its tree at that momen
   user.kvfs.idle      DURATION | off | default: the idle policy of a file or a directory (new entries inherit
                       a directory's): not read for k periods, it sits at least k tiers down. Reads answer the
                       period in effect, in seconds (0 = never).
+  user.kvfs.ttl       DURATION | off: the retention time of a file or a directory (new entries inherit a
+                      directory's): the file is dropped from every tier DURATION after its last write, pinned
+                      or not (I9, docs/hotcold.md "Retention"). Reads answer it in seconds; none set: ENODATA.
 
 Moves are the mover's (the move protocol); a prefetch joins its promotion queue.
 """
@@ -27,7 +30,7 @@ import logging
 import stat
 from collections.abc import Awaitable, Callable
 
-from .config import ConfigError, parse_idle
+from .config import ConfigError, parse_duration, parse_idle
 from .index import Index
 from .mover import Mover
 from .stats import Counters
@@ -40,7 +43,8 @@ XA_TIER = b"user.kvfs.tier"
 XA_PREFETCH = b"user.kvfs.prefetch"
 XA_DROP = b"user.kvfs.drop"
 XA_IDLE = b"user.kvfs.idle"
-REQUEST_XATTRS = (XA_PIN, XA_TIER, XA_PREFETCH, XA_DROP, XA_IDLE)  # readable by name at most, never listed
+XA_TTL = b"user.kvfs.ttl"
+REQUEST_XATTRS = (XA_PIN, XA_TIER, XA_PREFETCH, XA_DROP, XA_IDLE, XA_TTL)  # readable by name at most, never listed
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -77,6 +81,20 @@ def parse_idle_value(value: bytes) -> int | None:
         raise RequestError(errno.EINVAL, str(e)) from None
 
 
+def parse_ttl_value(value: bytes) -> int | None:
+    """A retention time in whole seconds (at least 1), or None for off."""
+    text = text_of(value)
+    if text.lower() in ("off", "none", "never", "0"):
+        return None
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise RequestError(errno.EINVAL, f"ttl: {e}, or off") from None
+    if seconds < 1:
+        raise RequestError(errno.EINVAL, f"ttl {text!r} is under a second: expiry is swept once a second")
+    return int(seconds)
+
+
 class HotCold:
     def __init__(self, index: Index, store: Store, mover: Mover, counters: Counters,
                  drop_file: Callable[[int], Awaitable[bool]]) -> None:
@@ -98,6 +116,8 @@ class HotCold:
             await self.drop(ino)
         elif name == XA_IDLE:
             self.set_idle(ino, parse_idle_value(value))
+        elif name == XA_TTL:
+            self.set_ttl(ino, parse_ttl_value(value))
         else:
             raise RequestError(errno.EOPNOTSUPP, f"{name!r} is no kvfs request")
 
@@ -194,6 +214,14 @@ class HotCold:
         self.index.set_idle_policy(targets, seconds)
         self.mover.wake()
 
+    def set_ttl(self, ino: int, seconds: int | None) -> None:
+        row = self.index.get(ino)
+        targets = self.index.tree_files(ino)
+        if row is not None and stat.S_ISDIR(row["mode"]):
+            targets += self.index.tree_dirs(ino)  # directories pass it on to the entries created in them
+        self.index.set_ttl(targets, seconds)
+        self.mover.wake()
+
     # -- reads -------------------------------------------------------------------------------------------
     def read(self, ino: int, name: bytes) -> bytes | None:
         """The value of a readable request attribute (pin, idle); None: no such attribute here."""
@@ -210,6 +238,8 @@ class HotCold:
         if name == XA_IDLE:
             own = row["idle_policy_s"]
             return str(self.mover.idle_s if own is None else own).encode()
+        if name == XA_TTL and row["ttl_s"]:
+            return str(row["ttl_s"]).encode()
         return None
 
 

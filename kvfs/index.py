@@ -40,6 +40,8 @@ SCHEMA = """
 --     them (a drop still removes them). Their stored bytes together stay within that tier's pin limit.
 --     idle_policy_s: NULL = the mount's default, 0 = never, T > 0 = a file not read for k*T seconds sits
 --     at least k tiers below the fastest. New entries take their directory's idle_policy_s at create.
+-- I9  ttl_s (retention, kvfs/retention.py): NULL = none, T > 0 = the file expires T seconds after mtime_ns and
+--     is dropped from every tier, pinned or not. New entries take their directory's ttl_s at create.
 CREATE TABLE IF NOT EXISTS inodes (
     id             INTEGER PRIMARY KEY AUTOINCREMENT,
     mode           INTEGER NOT NULL,
@@ -61,7 +63,8 @@ CREATE TABLE IF NOT EXISTS inodes (
     pinned         INTEGER NOT NULL DEFAULT 0,   -- I8
     idle_policy_s  INTEGER,                      -- I8
     published_key  TEXT,                         -- I7
-    published_etag TEXT
+    published_etag TEXT,
+    ttl_s          INTEGER                       -- I9
 );
 CREATE TABLE IF NOT EXISTS entries (
     id     INTEGER PRIMARY KEY AUTOINCREMENT,    -- stable readdir cookie
@@ -169,6 +172,8 @@ WHEN NEW.name = X'{blocks}' AND NEW.value IS NOT OLD.value BEGIN
 END;
 """.replace("{blocks}", b"user.kvfs.blocks".hex())
 
+EXPIRY = "mtime_ns + ttl_s * 1000000000"  # I9: when a file with a retention time expires (ns)
+
 # Columns that setattr-like updates may touch.
 _ATTR_COLUMNS = frozenset({"mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns"})
 
@@ -210,9 +215,11 @@ class Index:
     def _migrate(self) -> None:
         """Columns added since the first schema (an older index gains them, empty)."""
         have = {r[1] for r in self.db.execute("PRAGMA table_info(inodes)")}
-        for column in ("published_key", "published_etag"):
+        for column, kind in (("published_key", "TEXT"), ("published_etag", "TEXT"), ("ttl_s", "INTEGER")):
             if column not in have:
-                self.db.execute(f"ALTER TABLE inodes ADD COLUMN {column} TEXT")
+                self.db.execute(f"ALTER TABLE inodes ADD COLUMN {column} {kind}")
+        # I9's sweep: files with a retention time, by when they expire (after the column exists)
+        self.db.execute(f"CREATE INDEX IF NOT EXISTS inodes_expiry ON inodes ({EXPIRY}) WHERE ttl_s > 0")
 
     # -- transactions -------------------------------------------------------------------------
     def transaction(self):
@@ -353,8 +360,8 @@ class Index:
         with self.transaction():
             cur = self.db.execute(
                 "INSERT INTO inodes (mode, uid, gid, rdev, nlink, size, atime_ns, mtime_ns, ctime_ns, target, "
-                "last_access_ns, idle_policy_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                "(SELECT idle_policy_s FROM inodes WHERE id = ?))",
+                "last_access_ns, idle_policy_s, ttl_s) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, idle_policy_s, ttl_s "
+                "FROM inodes WHERE id = ?",
                 (mode, uid, gid, rdev, 2 if is_dir else 1, len(target) if target else 0,
                  now, now, now, target, now, parent))
             ino = cur.lastrowid
@@ -537,8 +544,9 @@ class Index:
             self.db.execute(
                 "UPDATE inodes SET mode = ?, uid = ?, gid = ?, nlink = 1, obj_gen = 1, obj_tier = ?, size = ?, "
                 "stored_bytes = ?, codec = ?, transform = ?, atime_ns = ?, mtime_ns = ?, ctime_ns = ?, "
-                "last_access_ns = ?, idle_policy_s = (SELECT idle_policy_s FROM inodes WHERE id = ?) WHERE id = ?",
-                (mode, uid, gid, tier, size, stored_bytes, codec, transform, now, now, now, now, parent, ino))
+                "last_access_ns = ?, idle_policy_s = (SELECT idle_policy_s FROM inodes WHERE id = ?), "
+                "ttl_s = (SELECT ttl_s FROM inodes WHERE id = ?) WHERE id = ?",
+                (mode, uid, gid, tier, size, stored_bytes, codec, transform, now, now, now, now, parent, parent, ino))
             self.db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, ino))
             self.db.executemany("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?, ?, ?)",
                                 [(ino, k, v) for k, v in xattrs])
@@ -561,6 +569,17 @@ class Index:
         """I8: None = the mount's default, 0 = never."""
         with self.transaction():
             self.db.executemany("UPDATE inodes SET idle_policy_s = ? WHERE id = ?", [(seconds, i) for i in inodes])
+
+    def set_ttl(self, inodes: list[int], seconds: int | None) -> None:
+        """I9: None = no retention time."""
+        with self.transaction():
+            self.db.executemany("UPDATE inodes SET ttl_s = ? WHERE id = ?", [(seconds, i) for i in inodes])
+
+    def expired_files(self, now_ns: int, limit: int) -> list[sqlite3.Row]:
+        """Files past their retention time (I9), longest expired first."""
+        return self.db.execute(
+            f"SELECT id, obj_tier, stored_bytes FROM inodes WHERE ttl_s > 0 AND {EXPIRY} < ? AND nlink > 0 "
+            f"AND (mode & 61440) = 32768 ORDER BY {EXPIRY} LIMIT ?", (now_ns, limit)).fetchall()
 
     # -- xattrs ---------------------------------------------------------------------------------
     def get_xattr(self, ino: int, name: bytes) -> bytes | None:

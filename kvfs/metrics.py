@@ -40,7 +40,7 @@ TIER_COUNTERS = {f.name for f in dataclasses.fields(stats.TierCounters)} | {
 GLOBAL_COUNTERS = {f.name for f in dataclasses.fields(stats.Counters)} - {"tiers"}
 GAUGES = {"pinned_files", "pinned_bytes"}  # states, wherever they are kept
 RENAMED = {"frame_size": "frame_size_bytes"}  # a unit the field name leaves implicit
-SKIPPED = {"version", "pid", "tiers", "mover", "qat", "quotas"}  # identity, or mapped on their own below
+SKIPPED = {"version", "pid", "tiers", "mover", "qat", "quotas", "events"}  # identity, or mapped on their own below
 HELP = {
     "capacity_bytes": "configured capacity of the tier",
     "used_bytes": "stored bytes the tier holds",
@@ -68,6 +68,11 @@ HELP = {
     "quota_limit_bytes": "a directory's quota in a tier (stored bytes)",
     "quota_used_bytes": "stored bytes below a directory with a quota, per tier",
     "errors": "unexpected exceptions answered with EIO",
+    "expired_files": "files dropped at the end of their retention time (user.kvfs.ttl)",
+    "saves_shed": "direct writes refused while the mover was congested (back-pressure)",
+    "published": "KV events published (BlockStored, BlockRemoved, AllBlocksCleared)",
+    "batches_dropped": "KV event batches dropped because the publisher thread fell behind",
+    "announced_files": "files whose blocks the KV events announce now",
     "lookup_misses": "lookups of a name that does not exist",
     "uptime_s": "seconds since the mount started",
 }
@@ -137,6 +142,12 @@ def families(doc: dict) -> list[Metric]:
             labels = {"directory": q["path"], "tier": tier}
             out.add("kvfs_", "quota_limit_bytes", False, labels, limit)
             out.add("kvfs_", "quota_used_bytes", False, labels, q["used"].get(tier, 0))
+    events = doc.get("events") or {}
+    for field in ("events_published", "batches_dropped", "bad_block_records"):
+        if field in events:
+            out.add("kvfs_events_", field.removeprefix("events_"), True, {}, events[field])
+    if "announced_files" in events:
+        out.add("kvfs_events_", "announced_files", False, {}, events["announced_files"])
     return [*out.by_name.values(), *_info(doc)]
 
 

@@ -57,6 +57,7 @@ DELETE_DEFER_MAX_S = 5.0  # … and wait while moves run, at most this long (a p
 DELETE_QUIET_S = 0.25  # … and until no move has ended for this long (a wave's readers open one file after another)
 MOVES_IN_FLIGHT = 4  # concurrent moves (each one a copy in a worker thread)
 CANDIDATES = 32  # least recently used files fetched per round
+DEFAULT_MAX_BACKLOG = 0.15  # of the fastest tier: with watermarks 90/80 %, congested past 95 % full
 IDLE_SWEEP_S = 1.0  # the idle policy looks for idle files this often
 LOG_MOVES_EVERY_S = 10.0  # moves out of a tier are logged as one summary line at most this often
 
@@ -73,6 +74,9 @@ class Mover:
         self.watermarks = {t.name: (t.high_watermark, t.low_watermark) for t in tiers}
         self.idle_s = idle_s  # the mount's default idle period (I8); 0 = off
         self._idle_swept = 0.0
+        self._writers_waiting = 0  # commits waiting for room now (back-pressure: congested())
+        self.max_backlog: int | None = None  # bytes of the fastest tier's backlog that mean congested (daemon)
+        self._expiry_swept = 0.0
         self.drop_pages: Callable[[int], None] | None = None  # forgets an inode's pages in the kernel (fs.py)
         self._dropping_pages: dict[int, trio.Event] = {}  # inode -> set once its pages are dropped
         self._move_log: dict[str, _MovesOut] = {}  # tier → moves out not logged yet (see _flush_move_log)
@@ -99,6 +103,7 @@ class Mover:
         self.open_file: Callable[[int], object | None] = lambda ino: None
         self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
         self.forget_names: Callable[[int, list[tuple[int, bytes]]], Awaitable[None]] = _forget_nothing
+        self.drop_file: Callable[[int], Awaitable[bool]] = _drop_nothing  # fs.drop_file: every tier, every name
 
     # -- the background task ---------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -121,6 +126,7 @@ class Mover:
                 await self._promote_queued()
                 await self._publish_settled()
                 await self._sweep_idle()
+                await self._sweep_expired()
                 self._flush_move_log()
                 for tier in self.order:
                     high, low = self.watermarks[tier.name]
@@ -137,18 +143,32 @@ class Mover:
     def wake(self) -> None:
         self._wake.set()
 
+    def backlog(self, tier: Tier) -> int:
+        """Bytes a tier holds beyond its low watermark while it drains: what the mover still has to move."""
+        high, low = self.watermarks[tier.name]
+        if tier.name in self._draining or tier.used_bytes > high * tier.capacity:
+            return max(0, tier.used_bytes - int(low * tier.capacity))
+        return 0
+
+    def max_backlog_bytes(self) -> int:
+        fastest = self.order[0]
+        return self.max_backlog if self.max_backlog is not None else int(DEFAULT_MAX_BACKLOG * fastest.capacity)
+
+    def congested(self) -> bool:
+        """The mover is behind: new data waits for room, or soon will. Writers that can do without a save
+        (the connector) skip it instead of stalling the engine: user.kvfs.congested, adopt requests' shed."""
+        return self._writers_waiting > 0 or self.backlog(self.order[0]) > self.max_backlog_bytes()
+
     def status(self) -> dict:
         """Gauges for .kvfs/stats."""
-        backlog = 0
-        for tier in self.order:
-            high, low = self.watermarks[tier.name]
-            if tier.name in self._draining or tier.used_bytes > high * tier.capacity:
-                backlog += max(0, tier.used_bytes - int(low * tier.capacity))
         return {
             "promotion": str(self.promotion),
             "watermarks": {name: {"high": h, "low": lo} for name, (h, lo) in self.watermarks.items()},
             "draining": sorted(self._draining),
-            "backlog_bytes": backlog,
+            "backlog_bytes": sum(self.backlog(t) for t in self.order),
+            "congested": int(self.congested()),
+            "max_backlog_bytes": self.max_backlog_bytes(),
+            "writers_waiting": self._writers_waiting,
             "promotions_queued": len(self._promotions),
             "moves_in_flight": self._moving,
             "deletions_in_flight": self._deleting,
@@ -173,6 +193,7 @@ class Mover:
                 if started is None and waiting_writer:
                     started = time.monotonic()
                     self.counters.writer_waits += 1
+                    self._writers_waiting += 1
                 if not await self._make_room(tier, size - credit):
                     return False
             self.store.charge(tier, size)
@@ -182,6 +203,7 @@ class Mover:
             return True
         finally:
             if started is not None:
+                self._writers_waiting -= 1
                 self.counters.writer_wait_s += time.monotonic() - started
 
     async def _make_room(self, tier: Tier, need: int) -> bool:
@@ -393,7 +415,7 @@ class Mover:
             plan, size = planned
             if not await self._reserve(dest, size):
                 return False
-            meta = {"kvfs-mode": oct(row["mode"]), **encode_xattrs(self._user_xattrs(ino))}
+            meta = self._publish_meta(row)
             try:
                 async with self._slots:
                     etag = await self.store.io(dest.name, dest.publish, key, self.store.tiers[ref.tier],
@@ -418,6 +440,13 @@ class Mover:
         self._forget_pages(ref, dest)
         await self.store.delete(ref)
         return True
+
+    def _publish_meta(self, row) -> dict[str, str]:
+        """What a published file carries to other nodes: its mode, retention time and user attributes."""
+        meta = {"kvfs-mode": oct(row["mode"]), **encode_xattrs(self._user_xattrs(row["id"]))}
+        if row["ttl_s"]:
+            meta["kvfs-ttl"] = str(row["ttl_s"])
+        return meta
 
     def _user_xattrs(self, ino: int) -> list[tuple[bytes, bytes]]:
         """What other nodes get of a published file's attributes: user.* but kvfs's own (other tiers' metadata,
@@ -667,6 +696,18 @@ class Mover:
                     nursery.start_soon(self._demote_idle, row["id"], tier, dest)
             self._log_batch(tier, before, started, "idle policy")
 
+    async def _sweep_expired(self) -> None:
+        """Files past their retention time (I9) leave every tier, L4 included, pinned or not: a retention
+        time is a limit on how long the data is kept, not a placement hint. Swept with the idle policy."""
+        now = time.monotonic()
+        if now - self._expiry_swept < IDLE_SWEEP_S:
+            return
+        self._expiry_swept = now
+        for row in self.index.expired_files(time.time_ns(), CANDIDATES):
+            if await self.drop_file(row["id"]):
+                self.counters.expired_files += 1
+                self.counters.expired_bytes += row["stored_bytes"]
+
     async def _demote_idle(self, ino: int, tier: Tier, dest: Tier) -> None:
         if await self.move(ino, dest):
             self.counters.tier(tier.name).idle_demoted_files += 1
@@ -714,7 +755,7 @@ class Mover:
             try:
                 async with self._slots:
                     etag = await self.store.io(shared.name, shared.publish, key, self.store.tiers[ref.tier],
-                                               ref.object_id, ref.stored_bytes, {"kvfs-mode": oct(row["mode"])},
+                                               ref.object_id, ref.stored_bytes, self._publish_meta(row),
                                                size=ref.stored_bytes)
             except FileExistsError:
                 self.counters.publish_conflicts += 1
@@ -755,3 +796,7 @@ class _MovesOut:
 
 async def _forget_nothing(ino: int, names: list[tuple[int, bytes]]) -> None:
     """Default until a filesystem binds the mover: nothing caches names."""
+
+
+async def _drop_nothing(ino: int) -> bool:
+    return False

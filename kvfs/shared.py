@@ -137,6 +137,8 @@ class SharedNamespace:
         for key, value in facts.get("xattrs", []):  # other tiers' metadata, as the publishing node had it
             if travels(key) and (key != XA_BLOCKS or _valid_record(value)):
                 self.index.set_xattr(ino, key, value)
+        if facts.get("ttl_s"):  # I9: it expires here too (counted from its publication)
+            self.index.set_ttl([ino], facts["ttl_s"])
         self.store.charge(self.tier, facts["stored_bytes"])
         self.adopted += 1
         return ino

@@ -69,11 +69,14 @@ class AdoptRequest:
     mode: int  # permission bits of the new file
     exclusive: bool = False  # EEXIST when the name exists; otherwise it is replaced, as rename(2) would
     xattrs: tuple[tuple[bytes, bytes], ...] = ()  # user.* attributes the file is created with
+    shed: bool = False  # refuse it (EBUSY) rather than wait while the mover is congested (back-pressure)
 
     def encode(self) -> bytes:
         lines = [f"adopt {PROTOCOL}", f"staged {self.staged}", f"mode {self.mode:o}",
                  f"exclusive {int(self.exclusive)}", f"name {self.name.hex()}"]
         lines += [f"xattr {k.hex()} {v.hex()}" for k, v in self.xattrs]
+        if self.shed:
+            lines.append("shed 1")
         return "\n".join(lines).encode()
 
     @classmethod
@@ -89,19 +92,21 @@ class AdoptRequest:
             if key == "xattr":
                 name, _, val = rest.partition(" ")
                 xattrs.append((bytes.fromhex(name), bytes.fromhex(val)))
-            elif key in ("staged", "mode", "exclusive", "name") and key not in fields:
+            elif key in ("staged", "mode", "exclusive", "name", "shed") and key not in fields:
                 fields[key] = rest
             else:
                 raise ValueError(f"unexpected line {line[:40]!r}")
-        if set(fields) != {"staged", "mode", "exclusive", "name"} or len(xattrs) > MAX_XATTRS:
+        if set(fields) - {"shed"} != {"staged", "mode", "exclusive", "name"} or len(xattrs) > MAX_XATTRS:
             raise ValueError("incomplete request")
         if not STAGED_NAME.fullmatch(fields["staged"]):
             raise ValueError("staged name is not one a writer makes")
         mode = int(fields["mode"], 8)
         if mode & ~0o7777 or fields["exclusive"] not in ("0", "1"):
             raise ValueError("bad mode or exclusive flag")
+        if fields.get("shed", "0") not in ("0", "1"):
+            raise ValueError("bad shed flag")
         return cls(fields["staged"], bytes.fromhex(fields["name"]), mode, fields["exclusive"] == "1",
-                   tuple(xattrs))
+                   tuple(xattrs), fields.get("shed") == "1")
 
 
 def staged_name(pid: int | None = None) -> str:

@@ -52,6 +52,9 @@ class Counters:
     prefetches: int = 0  # promotions queued by a prefetch request (user.kvfs.prefetch, kvfs prefetch)
     pin_refusals: int = 0  # pin requests refused: all pins together would pass the pin limit
     move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
+    expired_files: int = 0  # files dropped from every tier at the end of their retention time (user.kvfs.ttl)
+    expired_bytes: int = 0  # their stored bytes
+    saves_shed: int = 0  # direct writes refused while the mover was congested (back-pressure: docs/hotcold.md)
     writer_waits: int = 0  # commits that waited for the mover to make room
     writer_wait_s: float = 0.0
     tiers: dict[str, TierCounters] = dataclasses.field(default_factory=dict)

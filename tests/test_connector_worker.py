@@ -9,12 +9,14 @@ cross-stream races the ordering rules exist for.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import threading
+import time
 
 import pytest
-from kvfs_connector import chunkfile
+from kvfs_connector import chunkfile, files
 from kvfs_connector.mount import MountGuard
 from kvfs_connector.plan import LoadSpec, SaveSpec
 
@@ -76,7 +78,7 @@ def test_worker_copies_out_before_returning_so_reused_blocks_cannot_leak(tmp_pat
     original = [c.clone() for c in caches]
     gate = threading.Event()
     real_write = files.write_atomic
-    monkeypatch.setattr(files, "write_atomic", lambda *a: gate.wait(10) and real_write(*a))
+    monkeypatch.setattr(files, "write_atomic", lambda *a, **k: gate.wait(10) and real_write(*a, **k))
     w.save([spec])
     for c in caches:  # vLLM hands blocks 5 and 2 to another request before the writer ran
         c.fill_(7.0)  # (on a GPU: queued on the forward stream, after the wait for the save's gathers)
@@ -151,7 +153,6 @@ def test_worker_load_missing_a_layer_is_a_load_error(tmp_path, case):
 
 
 def test_saves_beyond_the_pending_bound_are_dropped_not_waited_for(tmp_path, case, monkeypatch):
-    from kvfs_connector import files
 
     w, caches, spec, tokens = _worker(tmp_path, case, max_pending=1)  # less than one chunk: every save dropped
     w.save([spec])
@@ -312,3 +313,57 @@ def test_worker_saves_and_loads_on_a_sealed_mount(make_mount, tmp_path):
         assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))
     assert m.stats()["direct_reads"] == 0
     w.shutdown()
+
+
+def test_saves_are_shed_while_the_mover_is_behind_and_loads_go_on(make_mount, ceph, tmp_path):
+    """Back-pressure (docs/hotcold.md): RGW paused, L2 and L3 fill, the mover falls behind (congested). New
+    saves are skipped and counted — in the worker, and by the daemon for a save that arrives anyway — instead
+    of waiting for room; a load of a stored chunk goes on. RGW back, the mover catches up and saves resume."""
+    import uuid
+
+    from kvfs import direct
+    from test_l4 import start_with_l4
+    from test_tiers import wait_for
+
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text('[mount]\nmax_backlog = "10%"\n[l4]\ndeadline_s = 60\ntimeout_s = 90\nprobe_s = 1\n')
+    m = start_with_l4(make_mount(), ceph, f"bp-{uuid.uuid4().hex[:8]}", "--promote", "never", "--config", str(toml),
+                      l2="4M", l3="4M")
+    w, caches, spec, _ = _worker(m.mountpoint, ("cpu", "CPU_ATTN"))
+    original = [c.clone() for c in caches]
+    w.save([spec])
+    w.flush(10)
+    os.setxattr(spec.paths[0], "user.kvfs.pin", b"1")  # stays in L2 whatever else moves
+    assert w.stats["saved_chunks"] == 1 and os.getxattr(m.mountpoint, "user.kvfs.congested") == b"0"
+
+    ceph.pause_rgw()
+    filler = threading.Thread(target=_fill, args=(m.path("fill"), 24), daemon=True)
+    try:
+        filler.start()  # blocks in write() once L2 and L3 are full: the mover cannot move to L4
+        wait_for(lambda: m.stats()["mover"]["congested"] == 1, timeout=30, what="congestion")
+        assert os.getxattr(m.mountpoint, "user.kvfs.congested") == b"1"
+        shed = SaveSpec("r", [spec.paths[0].replace("ab01", "ab02")], 8, 8, spec.token_digest, [1, 3])
+        w.save([shed])
+        w.flush(10)
+        assert w.stats["saves_shed"] == 1 and not os.path.exists(shed.paths[0])
+        with pytest.raises(OSError) as e:  # a sheddable direct write that got past the check: refused
+            direct.write_file(m.path("late.kv"), os.urandom(1 << 20), shed=True)
+        assert e.value.errno == errno.EBUSY and m.stats()["saves_shed"] >= 1 and not m.path("late.kv").exists()
+        assert _load(w, spec, [0, 9]) == set()  # loads go on
+        for c, o in zip(caches, original):
+            assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))
+    finally:
+        ceph.resume_rgw()
+    filler.join(120)
+    wait_for(lambda: m.stats()["mover"]["congested"] == 0, timeout=60, what="the mover to catch up")
+    time.sleep(files.CONGESTION_RECHECK_S)
+    w.save([shed])
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 2 and os.path.exists(shed.paths[0])
+    w.shutdown()
+
+
+def _fill(directory, n: int, size: int = 1 << 20) -> None:
+    directory.mkdir(exist_ok=True)
+    for i in range(n):
+        (directory / f"f{i}").write_bytes(os.urandom(size))

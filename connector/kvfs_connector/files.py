@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
 from kvfs import direct
 
@@ -14,6 +16,29 @@ XA_LOSSY = "user.kvfs.lossy"
 XA_BLOCKS = "user.kvfs.blocks"  # the chunk's vLLM blocks (kvfs/events.py): what kvfs's KV events announce
 XA_PREFETCH = "user.kvfs.prefetch"  # the hot/cold API (kvfs/hotcold.py): promote in the background
 XA_IDLE = "user.kvfs.idle"  # the idle policy: not read for N seconds, down a tier
+XA_CONGESTED = "user.kvfs.congested"  # 1 while kvfs's mover is behind: saves are shed (back-pressure)
+CONGESTION_RECHECK_S = 0.25
+
+
+class Congestion:
+    """Whether the mount's mover is behind, asked at most every CONGESTION_RECHECK_S (one getxattr)."""
+
+    def __init__(self, mount: str) -> None:
+        self.mount = mount
+        self._lock = threading.Lock()
+        self._checked_at = -CONGESTION_RECHECK_S
+        self._congested = False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked_at >= CONGESTION_RECHECK_S:
+                self._checked_at = now
+                try:
+                    self._congested = os.getxattr(self.mount, XA_CONGESTED) == b"1"
+                except OSError:
+                    self._congested = False  # not kvfs, or an older one: no back-pressure signal
+            return self._congested
 
 
 def exists(path: str) -> bool:
@@ -35,19 +60,22 @@ def request(path: str, name: str, value: bytes) -> bool:
         return False
 
 
-def write_atomic(path: str, parts: list, xattrs: dict[str, bytes], direct_writes: bool = False) -> str | None:
+def write_atomic(path: str, parts: list, xattrs: dict[str, bytes], direct_writes: bool = False,
+                 shed: bool = False) -> str | None:
     """Write `parts` as the file `path`, atomically; None if the file exists already, else how it went:
     "direct" (encoded here and adopted by kvfs: kvfs.direct.write_file) or "mount" (a temporary name renamed
     into place, through the mount or on a plain directory).
 
     Readers see either no file or the whole file. The xattrs go with the file: kvfs reads user.kvfs.dtype and
-    user.kvfs.shape to choose how to encode the file's frames."""
+    user.kvfs.shape to choose how to encode the file's frames. shed: a direct write is refused (OSError
+    EBUSY) rather than wait while kvfs's mover is behind."""
     if exists(path):
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if direct_writes:
         try:
-            return "direct" if direct.write_file(path, parts, xattrs=xattrs, mode=0o644, exclusive=True) else "mount"
+            went = direct.write_file(path, parts, xattrs=xattrs, mode=0o644, exclusive=True, shed=shed)
+            return "direct" if went else "mount"
         except FileExistsError:
             return None
     try:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import errno
 import logging
+import os
 import threading
 import time
 
@@ -65,6 +67,7 @@ class WorkerSide:
         self.layer_index = layer_index
         self.rank = rank
         self.guard = guard
+        self.congested = files.Congestion(guard.path)  # back-pressure from kvfs's mover
         self.copies = transfer.for_cache(layout, kv_layers, device_staging_bytes)
         self.memory = HostMemory(pinned=self.copies.device_side, limit_bytes=pinned_bytes)
         self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read",
@@ -223,6 +226,11 @@ class WorkerSide:
                     raise
                 self.writer.submit(self._write, spec, path, slot, copied)
 
+    def _shed(self, path: str) -> None:
+        self.stats["saves_shed"] += 1
+        self._warn_once("shed", "kvfs connector: kvfs's mover is behind its tiers; skipping saves (%s) until "
+                        "it catches up", os.path.basename(path))
+
     def _admit(self, path: str) -> bool:
         with self._lock:
             if path in self._in_flight:
@@ -242,12 +250,15 @@ class WorkerSide:
             if not self.guard.usable():
                 self.stats["saves_skipped_no_mount"] += 1
                 return
+            if self.congested():  # kvfs's mover is behind: skip the save rather than queue behind it
+                self._shed(path)
+                return
             parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
                                     slot[:self.payload_bytes].numpy())
             xattrs = self.xattrs
             if spec.blocks is not None and self.rank == 0:  # one announcement per chunk, not one per rank
                 xattrs = {**xattrs, files.XA_BLOCKS: spec.blocks}
-            how = files.write_atomic(path, parts, xattrs, self.direct_writes)
+            how = files.write_atomic(path, parts, xattrs, self.direct_writes, shed=True)
             if how is not None:
                 self.stats["saved_chunks"] += 1
                 self.stats["saved_bytes"] += self.payload_bytes
@@ -255,6 +266,9 @@ class WorkerSide:
             else:
                 self.stats["saves_existing"] += 1
         except OSError as e:
+            if e.errno == errno.EBUSY:  # the daemon shed it: it became congested meanwhile
+                self._shed(path)
+                return
             self.stats["save_errors"] += 1
             self.guard.failed(e)
             self._warn_once("save-" + str(e.errno), "kvfs connector: saving %s failed: %s", path, e)

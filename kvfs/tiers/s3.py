@@ -172,7 +172,8 @@ class S3Tier(Tier):
         return {"size": size, "stored_bytes": int(a["ContentLength"]), "etag": a["ETag"],
                 "mode": int(meta.get(f"{META_PREFIX}mode", "0o100644"), 0),
                 "mtime_ns": int(a["LastModified"].timestamp() * 1e9),
-                "xattrs": decode_xattrs(meta.get(f"{META_PREFIX}xattrs", ""))}
+                "xattrs": decode_xattrs(meta.get(f"{META_PREFIX}xattrs", "")),
+                "ttl_s": _positive_int(meta.get(f"{META_PREFIX}ttl"))}
 
     def list_dir(self, dir_id: str) -> tuple[list[str], list[str]]:
         """Names of the files and of the subdirectories under a published directory id ('files/a/b/')."""
@@ -430,6 +431,14 @@ class _Multipart:
 
 
 XATTRS_META_MAX = 1536  # of S3's 2 KiB of user metadata: the rest is kvfs's own fields
+
+
+def _positive_int(text: str | None) -> int | None:
+    try:
+        n = int(text) if text else 0
+    except ValueError:
+        return None
+    return n if n > 0 else None
 
 
 def travels(name: bytes) -> bool:
