@@ -154,3 +154,20 @@ def test_events_config_errors(make_mount):
                                   "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert only_replay.returncode != 0 and "needs an events endpoint" in only_replay.stderr
     assert not os.path.ismount(m.mountpoint)
+
+
+def test_eviction_from_the_last_tier_removes_the_blocks(make_mount):
+    """L2 alone, 4 MiB: the oldest chunks are evicted to make room, and a router hears it."""
+    pub, rep = endpoints()
+    m = make_mount().start("--l3", "none", "--events", pub, "--events-replay", rep, l2_size="4M")
+    sub = EventCollector([pub], {pub: rep}).__enter__()
+    sub.wait(1)
+    for n in range(6):
+        write_chunk(m, f"ns/{n:02x}/c{n}.kv", n, size=1 << 20)
+    wait_for(lambda: m.stats()["tiers"]["L2"]["evicted_files"] >= 2, what="evictions")
+    time.sleep(0.2)
+    view = summary(sub.events())
+    evicted = sorted(n for n in range(6) if not m.path(f"ns/{n:02x}/c{n}.kv").exists())
+    assert evicted and sorted(e[2] for e in view if e[0] == "BlockRemoved") == evicted
+    assert blocks_of(sub.events()) == {("L2", h) for n in range(6) if n not in evicted for h in record(n).block_hashes}
+    sub.__exit__()
