@@ -200,14 +200,13 @@ def _exited(pid: int) -> bool:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="TOML file whose [l4] section says how to reach the store (endpoint, credentials)")
 def gc(url, max_size, max_age, dry_run, config_file):
-    """Keep a shared L4 prefix within its capacity: least recently used published files go first.
+    """Keep a shared L4 prefix within its capacity: files past their retention time (user.kvfs.ttl) go, then
+    least recently used published files while the prefix is over --max-size or they are older than --max-age.
 
     Run by one owner (a timer), never by the mounts; reads logged by every mount count as uses."""
     from . import gc as gc_mod
     from .config import _l4_config, load_toml, parse_duration, parse_size
 
-    if not max_size and not max_age:
-        raise click.UsageError("give --max-size, --max-age or both")
     try:
         section = load_toml(config_file).get("l4", {}) if config_file else {}
         section = {k: v for k, v in section.items() if k not in ("url", "capacity")}

@@ -134,7 +134,7 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     ops.qat = qat_codec
     shared = [t for t in tiers if t.shared]
     if shared:
-        ops.shared = SharedNamespace(index, store, shared[0])
+        ops.shared = mover.shared = SharedNamespace(index, store, shared[0])
 
     publisher = _start_events(config, ops)  # bound before mounting, as the metrics port
 

@@ -3,8 +3,9 @@
 A shared prefix has no per-mount capacity: every mount publishes into it and none may decide alone what goes.
 One owner (a cron job, a systemd timer) runs gc. Last access of a file = the latest of its publication time
 (LastModified) and every read any mount logged (`<prefix>/access/*.log`, '<file id>\\t<unix seconds>' lines,
-written by each mount every `access_log_s`). gc deletes files oldest access first until the prefix holds at
-most --max-size bytes, and every file not read for --max-age. It then replaces the logs it read by one
+written by each mount every `access_log_s`). gc first deletes files past their retention time (user.kvfs.ttl:
+the publishing node logs '<file id>\texpires\t<unix seconds>'), then files oldest access first until the
+prefix holds at most --max-size bytes, and every file not read for --max-age. It then replaces the logs it read by one
 compacted log of the survivors' reads, so the logs stay small. A mount that still names a deleted file finds
 it gone at its next read: a miss (ENOENT), never an error.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .tiers.s3 import ACCESS, FILES, S3Location, S3Tier
+from .tiers.s3 import ACCESS, EXPIRES, FILES, S3Location, S3Tier
 
 @dataclasses.dataclass
 class GcReport:
@@ -37,12 +38,17 @@ def collect(location: S3Location, max_bytes: int | None = None, max_age_s: float
         files[key[len(root):]] = [size, modified]
     logs = [key for key, _, _ in _listing(tier, root + ACCESS + "/")]
     read_at: dict[str, float] = {}
+    expires_at: dict[str, float] = {}  # retention times (I9) logged by the publishing nodes
     for key in logs:
         body = tier.client.get_object(Bucket=location.bucket, Key=key)["Body"].read().decode(errors="replace")
         for line in body.splitlines():
             fid, _, t = line.partition("\t")
+            kind, _, at = t.partition("\t")
             try:
-                read_at[fid] = max(read_at.get(fid, 0.0), float(t))
+                if kind == EXPIRES:
+                    expires_at[fid] = min(expires_at.get(fid, float("inf")), float(at))
+                else:
+                    read_at[fid] = max(read_at.get(fid, 0.0), float(t))
             except ValueError:
                 continue  # a torn line: ignored
     for fid, t in read_at.items():
@@ -50,6 +56,14 @@ def collect(location: S3Location, max_bytes: int | None = None, max_age_s: float
             files[fid][1] = max(files[fid][1], t)
     report = GcReport(files=len(files), bytes=sum(size for size, _ in files.values()))
     total = report.bytes
+    for fid in sorted(f for f, at in expires_at.items() if f in files and at <= now):  # past retention: first
+        size, _ = files.pop(fid)
+        if not dry_run:
+            tier.delete(fid)
+        total -= size
+        report.deleted_files += 1
+        report.deleted_bytes += size
+        report.deleted.append(fid)
     for fid, (size, last) in sorted(files.items(), key=lambda kv: kv[1][1]):
         too_old = max_age_s is not None and last < now - max_age_s
         too_big = max_bytes is not None and total > max_bytes
@@ -64,6 +78,8 @@ def collect(location: S3Location, max_bytes: int | None = None, max_age_s: float
     if not dry_run and logs:
         gone = set(report.deleted)
         kept = "".join(f"{fid}\t{int(t)}\n" for fid, t in read_at.items() if fid in files and fid not in gone)
+        kept += "".join(f"{fid}\t{EXPIRES}\t{int(t)}\n" for fid, t in expires_at.items()
+                        if fid in files and fid not in gone)
         if kept:
             tier.put_access_log(f"gc-{time.time_ns()}.log", kept)
         for key in logs:

@@ -100,6 +100,7 @@ class Mover:
         self._failure_log = Throttle()  # a full disk fails every move: say it once a minute
         # bound by the filesystem: the open file of an inode (or None), and eviction from the namespace
         self.quotas: Quotas | None = None  # directories with quotas (kvfs/quotas.py): set by the daemon
+        self.shared = None  # kvfs.shared.SharedNamespace of a shared L4 (its access log): set by the daemon
         self.open_file: Callable[[int], object | None] = lambda ino: None
         self.drop_names: Callable[[int], list[tuple[int, bytes]]] = lambda ino: []
         self.forget_names: Callable[[int, list[tuple[int, bytes]]], Awaitable[None]] = _forget_nothing
@@ -432,6 +433,7 @@ class Mover:
             if not self.index.publish(ino, ref.gen, ref.tier, dest.name, key, etag, size):
                 self.store.release(dest.name, size)  # rewritten or unlinked meanwhile; what went up
                 return False  # stays published: the first version of that name
+            self._note_expiry(row, key)
             new_ref = ObjectRef(ino, ref.gen, dest.name, size, key)
         state = self.open_file(ino)
         if state is not None:
@@ -440,6 +442,10 @@ class Mover:
         self._forget_pages(ref, dest)
         await self.store.delete(ref)
         return True
+
+    def _note_expiry(self, row, key: str) -> None:
+        if row["ttl_s"] and self.shared is not None:
+            self.shared.note_expiry(key, row["mtime_ns"] // 1_000_000_000 + row["ttl_s"])
 
     def _publish_meta(self, row) -> dict[str, str]:
         """What a published file carries to other nodes: its mode, retention time and user attributes."""
@@ -767,6 +773,7 @@ class Mover:
                 return
             if self.index.publish(ino, ref.gen, ref.tier, ref.tier, key, etag):
                 self.counters.published_through += 1
+                self._note_expiry(row, key)
 
     # -- fsync -------------------------------------------------------------------------------------------
     async def make_durable(self, ino: int) -> None:

@@ -24,7 +24,7 @@ from .events import XA_BLOCKS, parse_record
 from .index import ROOT_INODE, Index
 from .store import Store
 from .tiers import Tier
-from .tiers.s3 import travels
+from .tiers.s3 import EXPIRES, travels
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,17 @@ class SharedNamespace:
         self._misses: dict[tuple[int, bytes], float] = {}
         self.adopted = 0  # names found in the store (files and directories)
         self._reads: dict[str, int] = {}  # published file id → last read (unix seconds), not yet logged
+        self._expiries: dict[str, int] = {}  # published file id → end of its retention time (I9), not yet logged
         self._node = uuid.uuid4().hex[:12]  # names this daemon's access logs
 
     # -- the access log (kvfs gc's LRU order) -------------------------------------------------------------
     def note_read(self, file_id: str) -> None:
         self._reads[file_id] = int(time.time())
+
+    def note_expiry(self, file_id: str, at: int) -> None:
+        """A file published with a retention time: kvfs gc deletes it at `at` (unix seconds) even if no node
+        holds it then."""
+        self._expiries[file_id] = at
 
     async def log_reads_periodically(self, interval_s: float) -> None:
         while True:
@@ -54,16 +60,20 @@ class SharedNamespace:
 
     async def flush_reads(self) -> None:
         """Write the reads since the last flush as one log object; kept for the next flush if the store fails."""
-        if not self._reads:
+        if not self._reads and not self._expiries:
             return
         reads, self._reads = self._reads, {}
+        expiries, self._expiries = self._expiries, {}
         lines = "".join(f"{fid}\t{t}\n" for fid, t in reads.items())
+        lines += "".join(f"{fid}\t{EXPIRES}\t{t}\n" for fid, t in expiries.items())
         try:
             await self.store.io(self.tier.name, self.tier.put_access_log, f"{self._node}-{time.time_ns()}.log", lines)
         except OSError as e:
             log.debug("access log not written: %s", e)
             for fid, t in reads.items():
                 self._reads[fid] = max(t, self._reads.get(fid, 0))
+            for fid, t in expiries.items():
+                self._expiries.setdefault(fid, t)
 
     def _dir_id(self, ino: int) -> str | None:
         if ino == ROOT_INODE:

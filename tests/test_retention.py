@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -77,3 +79,29 @@ def test_expired_files_leave_l4(make_mount, ceph):
     wait_for(lambda: not m.path("d/a").exists(), timeout=15, what="expiry")
     wait_for(lambda: len(l4_keys(ceph, prefix)) == 1, timeout=15, what="the object's deletion from the bucket")
     assert m.path("d/b").read_bytes() == keep and m.stats()["expired_files"] == 1
+
+
+def test_kvfs_gc_deletes_published_files_past_their_retention(make_mount, ceph, tmp_path):
+    """A shared prefix: the node that published a file with a retention time is gone; kvfs gc deletes the
+    file when the time is up (the publishing node logged it), and keeps the others."""
+    prefix = f"ret-{uuid.uuid4().hex[:8]}"
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text("[l4]\naccess_log_s = 0.5\n")
+    a = start_with_l4(make_mount("a"), ceph, prefix, "--l4-shared", "--l4-write", "through", "--promote", "never",
+                      "--config", str(toml), l2="64M")
+    a.path("kv").mkdir()
+    put(a.path("kv/short"))
+    put(a.path("kv/long"))
+    os.setxattr(a.path("kv/short"), "user.kvfs.ttl", b"4")
+    wait_for(lambda: a.stats()["published_through"] == 2, timeout=15, what="both published")
+    assert a.stop() == 0  # nobody holds the files now: only gc can remove them
+    files = [k for k in l4_keys(ceph, prefix) if "/files/" in k]
+    assert len(files) == 2 and any("/access/" in k for k in l4_keys(ceph, prefix))
+    gc = [sys.executable, "-m", "kvfs", "gc", f"s3://kvfs-test/{prefix}"]
+    env = {**os.environ, **ceph.env}
+    out = subprocess.run(gc, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and "deleted 0" in out.stdout, out.stdout + out.stderr  # not yet
+    time.sleep(4)
+    out = subprocess.run(gc, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and "deleted 1" in out.stdout, out.stdout + out.stderr
+    assert [k for k in l4_keys(ceph, prefix) if "/files/" in k] == [f"{prefix}/files/kv/long"]

@@ -433,6 +433,9 @@ class _Multipart:
 XATTRS_META_MAX = 1536  # of S3's 2 KiB of user metadata: the rest is kvfs's own fields
 
 
+EXPIRES = "expires"  # access-log lines '<file id>\texpires\t<unix seconds>': a retention time's end (kvfs gc)
+
+
 def _positive_int(text: str | None) -> int | None:
     try:
         n = int(text) if text else 0
