@@ -125,6 +125,18 @@ def parse_record(value: bytes) -> BlockRecord:
     return rec
 
 
+def without_tokens(value: bytes) -> bytes:
+    """The record with its hashes only (what fits S3's metadata where the whole one does not: kvfs/mover.py);
+    routers that key on hashes still find the blocks. An unreadable record is returned as it is."""
+    try:
+        rec = parse_record(value)
+    except ValueError:
+        return value
+    return encode_record(BlockRecord(block_hashes=rec.block_hashes, block_size=rec.block_size,
+                                     parent_block_hash=rec.parent_block_hash, lora_name=rec.lora_name,
+                                     group_idx=rec.group_idx))
+
+
 # -- the source: trigger log → events -----------------------------------------------------------------------
 class EventSource:
     """Reads the index's event log on the trio thread and hands batches to a Publisher."""

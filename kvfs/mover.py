@@ -45,6 +45,8 @@ from .ratelimit import Throttle
 from .stats import Counters
 from .store import ObjectRef, Store, credit_for
 from .tiers import Tier
+from . import events
+from .events import XA_BLOCKS
 from .tiers.s3 import encode_xattrs, travels
 
 log = logging.getLogger(__name__)
@@ -449,7 +451,11 @@ class Mover:
 
     def _publish_meta(self, row) -> dict[str, str]:
         """What a published file carries to other nodes: its mode, retention time and user attributes."""
-        meta = {"kvfs-mode": oct(row["mode"]), **encode_xattrs(self._user_xattrs(row["id"]))}
+        xattrs = self._user_xattrs(row["id"])
+        travelling = encode_xattrs(xattrs)
+        if not travelling and any(n == XA_BLOCKS for n, _ in xattrs):  # too big: the record without its tokens
+            travelling = encode_xattrs([(n, events.without_tokens(v) if n == XA_BLOCKS else v) for n, v in xattrs])
+        meta = {"kvfs-mode": oct(row["mode"]), **travelling}
         if row["ttl_s"]:
             meta["kvfs-ttl"] = str(row["ttl_s"])
         return meta

@@ -10,6 +10,7 @@ import uuid
 import zlib
 
 from test_l4 import settle, start_with_l4
+from test_tiers import wait_for
 
 XATTRS = {"user.vllm.kv_crc32c": None, "user.other.tag": b"\x00binary\xff value"}
 
@@ -66,3 +67,38 @@ def test_another_node_gets_a_published_files_user_xattrs(make_mount, ceph):
     assert b.path("ns", "c.kv").read_bytes() == data
     assert xattrs_of(b.path("ns", "c.kv")) == expected
     assert xattrs_of(b.path("ns", "c.kv"))["user.vllm.kv_crc32c"] == b"%08x" % zlib.crc32(data)
+
+
+def test_a_published_block_record_travels_and_is_announced_by_the_other_node(make_mount, ceph):
+    """KV events across nodes: A publishes chunks with user.kvfs.blocks; B adopts them and announces their blocks
+    in L4. A record too big for S3's metadata travels without its token ids (the hashes still name the blocks)."""
+    from kvfs import events
+    from kv_events import EventCollector
+
+    prefix = f"xa-{uuid.uuid4().hex[:8]}"
+    a = start_with_l4(make_mount("a"), ceph, prefix, "--l4-shared", "--promote", "never", l2="64M", l3="64M")
+    endpoint = f"ipc://{a.root}/b.events"
+    b = start_with_l4(make_mount("b"), ceph, prefix, "--l4-shared", "--promote", "never", "--events", endpoint,
+                      l2="64M", l3="64M")
+    small = events.BlockRecord(block_hashes=[os.urandom(8)[0] * 2**40 + i for i in range(4)], block_size=16,
+                               token_ids=list(range(64)))
+    big = events.BlockRecord(block_hashes=[os.urandom(32) for _ in range(16)], block_size=16,
+                             token_ids=list(range(1000, 1256)))
+    a.path("ns").mkdir()
+    for name, rec in (("small.kv", small), ("big.kv", big)):
+        a.path("ns", name).write_bytes(os.urandom(1 << 20))
+        os.setxattr(a.path("ns", name), "user.kvfs.blocks", events.encode_record(rec))
+        move(a, f"ns/{name}", "L4")
+    with EventCollector([endpoint]) as sub:
+        for name in ("small.kv", "big.kv"):
+            assert b.path("ns", name).stat().st_size == 1 << 20  # B finds and adopts it
+        wait_for(lambda: len(stored_events(sub)) == 2, what="B's two BlockStored")
+        stored = stored_events(sub)
+    got = {ev.block_hashes[-1]: ev for ev in stored}
+    assert {ev.medium for ev in stored} == {"L4"}
+    assert got[small.block_hashes[-1]].token_ids == small.token_ids  # whole
+    assert got[big.block_hashes[-1]].block_hashes == big.block_hashes and got[big.block_hashes[-1]].token_ids == []
+
+
+def stored_events(sub) -> list:
+    return [ev for ev in sub.events() if type(ev).__name__ == "BlockStored"]
