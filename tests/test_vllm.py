@@ -273,17 +273,18 @@ def test_second_turn_hits_the_chunks_saved_while_decoding(make_mount, baseline, 
 
 
 def test_blocks_reused_while_saving_store_each_requests_own_kv(make_mount, tokens, workdir):
-    """A KV cache of 40 blocks for 6 concurrent requests of ~1100 tokens: vLLM preempts and reuses blocks
-    all the time. Every chunk file must hold the KV of the tokens its name and digest say."""
+    """A KV cache of 28 blocks for 4 concurrent requests of ~1100 tokens (36 blocks): vLLM preempts and reuses
+    blocks all the time. Every chunk file must hold the KV of the tokens its name and digest say."""
     small, ref = make_mount("small").start(), make_mount("ref").start()
-    prompts = [t[:1100] for t in tokens]
-    run_engine(workdir / "small", [{"prompts": prompts, "max_tokens": 40, "concurrency": 6}],
-               connector(small.mountpoint), num_gpu_blocks_override=40, max_num_batched_tokens=4096)
+    prompts = [t[:1100] for t in tokens[:4]]
+    run_engine(workdir / "small", [{"prompts": prompts, "max_tokens": 40, "concurrency": 4}],
+               connector(small.mountpoint), num_gpu_blocks_override=28, max_num_batched_tokens=2048,
+               max_model_len=2048)
     run_engine(workdir / "ref", [{"prompts": prompts, "max_tokens": 40, "concurrency": 1}],
-               connector(ref.mountpoint), max_num_batched_tokens=4096)
+               connector(ref.mountpoint), max_num_batched_tokens=2048, max_model_len=2048)
     got, want = chunk_files(small.mountpoint), chunk_files(ref.mountpoint)
     names = [p.name for p in want]
-    assert len(want) == 6 * (1140 // CHUNK)
+    assert len(want) == 4 * (1140 // CHUNK)
     assert sorted(p.name for p in got) == sorted(names)
 
     def kv(p: Path) -> np.ndarray:
