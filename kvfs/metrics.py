@@ -39,6 +39,9 @@ TIER_COUNTERS = {f.name for f in dataclasses.fields(stats.TierCounters)} | {
     "breaker_opened"}
 GLOBAL_COUNTERS = {f.name for f in dataclasses.fields(stats.Counters)} - {"tiers"}
 GAUGES = {"pinned_files", "pinned_bytes"}  # states, wherever they are kept
+# a tier spread over several directories (L3 on several SSDs): kvfs_directory_<field>{tier=…, directory=…}
+DIRECTORY_COUNTERS = {"written_files", "written_bytes", "read_bytes", "failures", "breaker_opened"}
+DIRECTORY_STATES = ("up", "full", "down")
 RENAMED = {"frame_size": "frame_size_bytes"}  # a unit the field name leaves implicit
 SKIPPED = {"version", "pid", "tiers", "mover", "qat", "quotas"}  # identity, or mapped on their own below
 HELP = {
@@ -70,6 +73,9 @@ HELP = {
     "errors": "unexpected exceptions answered with EIO",
     "lookup_misses": "lookups of a name that does not exist",
     "uptime_s": "seconds since the mount started",
+    "directory_state": "1 for the state a directory of a spread tier is in (up, full: ENOSPC, down: failed)",
+    "written_files": "objects written into the directory",
+    "pending_deletions": "deletions waiting for the directory to answer again",
 }
 
 
@@ -141,6 +147,8 @@ def families(doc: dict) -> list[Metric]:
 
 
 def _tier_metrics(out: _Families, tier: str, fields: dict) -> None:
+    for d in fields.get("directories", []):
+        _directory_metrics(out, tier, d)
     for field, value in fields.items():
         counter = field in TIER_COUNTERS
         if _is_number(value):
@@ -151,6 +159,15 @@ def _tier_metrics(out: _Families, tier: str, fields: dict) -> None:
                     out.add("kvfs_tier_", field, counter, {"tier": tier, "kind": str(kind)}, n)
     if "breaker" in fields:
         out.add("kvfs_tier_", "breaker_open", False, {"tier": tier}, 1 if fields["breaker"] == "open" else 0)
+
+
+def _directory_metrics(out: _Families, tier: str, d: dict) -> None:
+    labels = {"tier": tier, "directory": d["path"]}
+    for field, value in d.items():
+        if _is_number(value):
+            out.add("kvfs_directory_", field, field in DIRECTORY_COUNTERS, labels, value)
+    for state in DIRECTORY_STATES:
+        out.add("kvfs_", "directory_state", False, {**labels, "state": state}, 1 if d["state"] == state else 0)
 
 
 def tier_misses(doc: dict) -> dict[str, int]:
