@@ -219,6 +219,8 @@ class Checker:
 
     def _list_directories(self, tier: Tier, objects: list) -> None:
         """Per directory of a spread tier: its state and what the listing found there."""
+        if not tier.directories():
+            return
         found: dict[str, list[int]] = {}
         for info in objects:
             counts = found.setdefault(tier.where(info.object_id), [0, 0])

@@ -9,13 +9,12 @@
 - a fenced tier (a private L4 this process has not claimed: kvfs/owner.py) is listed but nothing in it is
   deleted: another mount may own those objects;
 - tier usage counters are seeded from what remains;
-- a tier spread over several directories (L3 on several SSDs) says how each is: one that is down has its
-  files dropped (misses), the others keep theirs.
+- a tier spread over several directories (L3 on several SSDs) says how each is: one that is down is not
+  listed, so the rows whose object lies there are dropped (misses) while the others keep theirs.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 
@@ -50,8 +49,6 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
 
     keep: set[tuple[str, str]] = set()
     missing = []
-    by_name = {t.name: t for t in tiers}
-    dropped_at: collections.Counter[str] = collections.Counter()  # directory of a spread tier → rows dropped
     shared = {t.name: t for t in tiers if t.shared}
     for row in index.objects():
         if row["obj_tier"] in shared:  # published objects: not listed (other nodes' too); checked when read
@@ -72,14 +69,13 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
             report.objects_adopted += 1
         else:
             missing.append(row["id"])
-            if row["obj_tier"] in by_name and by_name[row["obj_tier"]].directories():
-                dropped_at[by_name[row["obj_tier"]].where(oid)] += 1
     index.purge(missing)
     report.rows_dropped = len(missing)
 
     for tier in tiers:
         if not tier.shared:
             tier.used_bytes = tier.files = 0
+    by_name = {t.name: t for t in tiers}
     for oid, places in found.items():
         for tier_name, size in places.items():
             tier = by_name[tier_name]
@@ -94,20 +90,19 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
     _fix_directory_links(index)
     if any(dataclasses.astuple(report)):
         log.info("reconcile: %s", report)
-    _log_directories(tiers, dropped_at)
+    _log_directories(tiers)
     return report
 
 
-def _log_directories(tiers: list[Tier], dropped_at: collections.Counter[str]) -> None:
+def _log_directories(tiers: list[Tier]) -> None:
     for tier in tiers:
         for d in tier.directories():
-            dropped = f"; {dropped_at[d['path']]} files whose object was there dropped" if dropped_at[d["path"]] else ""
             if d["state"] == "down":
-                log.warning("reconcile: %s directory %s is down (%s): its files are misses%s", tier.name, d["path"],
-                            d["reason"], dropped)
+                log.warning("reconcile: %s directory %s is down (%s): its files are misses", tier.name, d["path"],
+                            d["reason"])
             else:
-                log.info("reconcile: %s directory %s: %d objects, %d MiB of %d MiB%s", tier.name, d["path"],
-                         d["files"], d["used_bytes"] >> 20, d["capacity_bytes"] >> 20, dropped)
+                log.info("reconcile: %s directory %s: %d objects, %d MiB of %d MiB", tier.name, d["path"],
+                         d["files"], d["used_bytes"] >> 20, d["capacity_bytes"] >> 20)
 
 
 def _fix_directory_links(index: Index) -> None:

@@ -1,11 +1,12 @@
 """One directory of a tier spread over several (kvfs/tiers/spread.py): its health and its own accounting.
 
 A member is *up*, *full* or *down*:
-- full: the disk answered ENOSPC (it holds less than the configured capacity). New objects go elsewhere
-  until a deletion there frees room or FULL_RETRY_S passes; its objects still read.
-- down: its breaker is open after EIO (FAILURES in a row), or at once when it turned read-only or its
-  filesystem vanished (unmounted under the mount). Its calls fail fast with MemberDown (EIO), except one
-  probe every PROBE_S; the first that succeeds brings it back.
+- full: the disk answered ENOSPC (it holds less than the configured capacity) or EROFS (remounted
+  read-only, e.g. by ext4 after errors). New objects go elsewhere until a deletion there frees room or
+  FULL_RETRY_S passes; its objects still read.
+- down: its breaker is open after EIO (FAILURES in a row), or at once when its filesystem vanished
+  (unmounted under the mount). Its calls fail fast with MemberDown (EIO), except one probe every PROBE_S;
+  the first that succeeds brings it back.
 
 "Vanished" is seen by an identity marker: a file holding a random id, written when the directory is first
 used. A filesystem unmounted under a live mount shows the directory beneath it, which has no marker (or
@@ -26,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..ratelimit import Throttle
 from .base import Tier
 from .breaker import Breaker, TierDown
 from .directory import DirectoryTier
@@ -36,7 +38,7 @@ MARKER = ".kvfs-directory"  # at the top of the directory: scans only look into 
 FAILURES = 3  # I/O errors in a row that take a member down
 PROBE_S = 5.0  # a down member is tried again this often
 FULL_RETRY_S = 5.0  # a member that said ENOSPC is offered new objects again after this (or a deletion there)
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class MemberDown(TierDown):
@@ -56,10 +58,12 @@ class Member(DirectoryTier):
         self.identity = ""
         self.opened = False  # False: it could not be used at start; it stays down until the next start
         self.full_until = 0.0
+        self.full_reason = ""
         self.pending: set[str] = set()  # object ids to delete once the member answers again
         self.seeded = False
         self.written_files = self.written_bytes = self.read_bytes = self.failures = 0
         self._lock = threading.Lock()
+        self._full_log = Throttle()  # under steady pressure a full disk fills again after every deletion
         try:
             self.identity = self._open()
             self.opened = True
@@ -121,26 +125,25 @@ class Member(DirectoryTier):
             raise MemberDown(self)
 
     def failed(self, e: OSError) -> None:
-        """Account a failed call: ENOSPC makes the member full for a while, EROFS takes it down at once, any
-        other error counts towards its breaker."""
+        """Account a failed call: ENOSPC or EROFS makes the member full for a while, any other error counts
+        towards its breaker."""
         if e.errno in _FULL:
-            if self.state == "up":
-                log.warning("%s is full (%s at %d MiB of %d MiB): new objects go to the other directories",
-                            self.name, e.strerror, self.used_bytes >> 20, self.capacity >> 20)
+            if self.state == "up" and self._full_log.due():
+                log.warning("%s takes no new objects for now (%s at %d MiB of %d MiB): they go to the other "
+                            "directories", self.name, e.strerror, self.used_bytes >> 20, self.capacity >> 20)
             self.full_until = time.monotonic() + FULL_RETRY_S
+            self.full_reason = e.strerror or str(e)
             return
         if isinstance(e, (MemberDown, FileNotFoundError)):
             return
         self.failures += 1
-        if e.errno == errno.EROFS:
-            self.breaker.trip("read-only")
-        else:
-            self.breaker.failure(e.strerror or str(e))
+        self.breaker.failure(e.strerror or str(e))
 
-    def succeeded(self) -> None:
-        """A call went through: close the breaker; deletions asked while down are done now."""
+    def succeeded(self, wrote: bool = False) -> None:
+        """A call went through: close the breaker. After a write (the member takes writes again), deletions
+        asked while it could not are done too."""
         self.breaker.success()
-        if self.pending:
+        if wrote and self.pending:
             self._delete_pending()
 
     def _delete_pending(self) -> None:
@@ -156,8 +159,9 @@ class Member(DirectoryTier):
 
     def status(self) -> dict:
         """Per-directory figures for .kvfs/stats."""
-        return {"path": str(self.root), "state": self.state,
-                "reason": self.breaker.reason if self.state == "down" else None,
+        state = self.state
+        return {"path": str(self.root), "state": state,
+                "reason": {"down": self.breaker.reason, "full": self.full_reason}.get(state),
                 "capacity_bytes": self.capacity, "used_bytes": self.used_bytes, "files": self.files,
                 "written_files": self.written_files, "written_bytes": self.written_bytes,
                 "read_bytes": self.read_bytes, "failures": self.failures,

@@ -15,9 +15,10 @@ Why not place by free space: the emptiest member would take every new object unt
 burst of demotions on one SSD instead of all of them), and finding an object again would need a table or a
 probe of every member. Hashing spreads every burst over all members in proportion to their size.
 
-Failure isolation: a member that fails (EIO, read-only, its filesystem unmounted under it) is taken out: its
-objects read as EIO (never other bytes), deletions there wait until it is back, new objects go to the
-others, and it is probed again every few seconds. The tier stays available while one member is.
+Failure isolation: a member that fails (EIO, its filesystem unmounted under it) is taken out: its objects
+read as EIO (never other bytes), deletions there wait until it is back, new objects go to the others, and
+it is probed again every few seconds. A full or read-only member only takes no new objects. The tier stays
+available while one member is.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class SpreadTier(Tier):
                 continue
             finally:
                 member.settle(size, written)
-            member.succeeded()
+            member.succeeded(wrote=True)
             self._placed(object_id, member)
             return written
         raise _no_room(self.name, object_id, size, errors)
@@ -221,7 +222,7 @@ class SpreadTier(Tier):
             member.forget_later(object_id)
             log.debug("deleting %s from %s failed: %s (retried when it answers)", object_id, member.root, e)
         else:
-            member.succeeded()
+            member.succeeded(wrote=True)
 
     # -- listing -----------------------------------------------------------------------------------------
     def _listable(self, member: Member) -> bool:
