@@ -217,6 +217,31 @@ def test_a_directory_failing_with_eio_takes_only_its_files(filesystems, make_mou
         assert read_uncached(m.path(name)) == content(name, SIZE), name
 
 
+def test_a_directory_that_answers_again_comes_back(filesystems, make_mount, tmp_path):
+    """Member a (ext4) fails, then its filesystem is mounted again (same data, same marker): within a probe
+    period its files read bit-exact again, and the deletion asked while it was down is done."""
+    a = filesystems("ext4", tmp_path / "ssd-a", "32M")
+    b = tmp_path / "ssd-b"
+    m = start(make_mount(), (a, "24M"), (b, "24M"))
+    names = [f"f{i:02d}" for i in range(12)]
+    write_and_demote(m, names)
+    placed = where(m, [a, b], names)
+    on_a = [n for n in names if placed[n] == a]
+    assert len(on_a) >= 2, placed
+    gone = {o for o in objects_in(a) if o.startswith(f"{os.stat(m.path(on_a[0])).st_ino:x}-")}
+
+    shut_down(a)
+    assert read_errno(m.path(on_a[1])) == errno.EIO
+    m.path(on_a[0]).unlink()  # its object's deletion waits for a
+    subprocess.run(["umount", str(a)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(a.with_suffix(".img")), str(a)], check=True)
+    wait_for(lambda: read_errno(m.path(on_a[1])) is None, timeout=15, what="a to answer again")
+    assert all(read_uncached(m.path(n)) == content(n, SIZE) for n in on_a[1:])
+    back = directories(m)[str(a)]
+    assert back["state"] == "up" and back["pending_deletions"] == 0, back
+    assert not gone & objects_in(a)
+
+
 def test_a_full_directory_sends_new_objects_to_the_other(filesystems, make_mount, tmp_path):
     """Member a is a 1 MiB tmpfs given 32M: its disk says ENOSPC long before its capacity. Every demotion
     still succeeds (the object goes to b), nothing fails, everything reads bit-exact."""

@@ -38,7 +38,7 @@ MARKER = ".kvfs-directory"  # at the top of the directory: scans only look into 
 FAILURES = 3  # I/O errors in a row that take a member down
 PROBE_S = 5.0  # a down member is tried again this often
 FULL_RETRY_S = 5.0  # a member that said ENOSPC is offered new objects again after this (or a deletion there)
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the disk takes no more: not a failure
 
 
 class MemberDown(TierDown):
@@ -127,7 +127,7 @@ class Member(DirectoryTier):
     def failed(self, e: OSError) -> None:
         """Account a failed call: ENOSPC or EROFS makes the member full for a while, any other error counts
         towards its breaker."""
-        if e.errno in _FULL:
+        if e.errno in FULL_ERRNOS:
             if self.state == "up" and self._full_log.due():
                 log.warning("%s takes no new objects for now (%s at %d MiB of %d MiB): they go to the other "
                             "directories", self.name, e.strerror, self.used_bytes >> 20, self.capacity >> 20)
@@ -140,10 +140,11 @@ class Member(DirectoryTier):
         self.breaker.failure(e.strerror or str(e))
 
     def succeeded(self, wrote: bool = False) -> None:
-        """A call went through: close the breaker. After a write (the member takes writes again), deletions
-        asked while it could not are done too."""
+        """A call went through: close the breaker. When it was down, or after a write (it takes writes again),
+        the deletions asked while it could not are done too."""
+        back = self.breaker.state == "open"
         self.breaker.success()
-        if wrote and self.pending:
+        if (back or wrote) and self.pending:
             self._delete_pending()
 
     def _delete_pending(self) -> None:

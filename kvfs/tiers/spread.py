@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from .base import ObjectInfo, Stray, Tier, _keeping_head
-from .member import Member, MemberDown
+from .member import FULL_ERRNOS, Member, MemberDown
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SpreadTier(Tier):
@@ -81,18 +80,19 @@ class SpreadTier(Tier):
         scores = [_score(object_id, key, m.capacity) for key, m in zip(self._keys, self.members)]
         return [m for _, m in sorted(zip(scores, self.members), key=lambda p: p[0], reverse=True)]
 
+    def _first(self, object_id: str) -> Member:
+        return max(zip(self._keys, self.members), key=lambda km: _score(object_id, km[0], km[1].capacity))[1]
+
     def _holder(self, object_id: str) -> Member:
-        member = self._elsewhere.get(object_id)
-        if member is not None:
-            return member
-        best = max(range(len(self.members)), key=lambda i: _score(object_id, self._keys[i], self.members[i].capacity))
-        return self.members[best]
+        """Where the object is, as far as this process knows: its first choice unless placed elsewhere."""
+        return self._elsewhere.get(object_id) or self._first(object_id)
 
     def _placed(self, object_id: str, member: Member | None) -> None:
         """Remember where an object is (None: nowhere any more)."""
         with self._lock:
-            self._elsewhere.pop(object_id, None)
-            if member is not None and member is not self._holder(object_id):
+            if member is None or member is self._first(object_id):
+                self._elsewhere.pop(object_id, None)
+            else:
                 self._elsewhere[object_id] = member
 
     def _place(self, object_id: str, size: int, write: Callable[[Member], int], retryable: Callable[[], bool]) -> int:
@@ -100,7 +100,11 @@ class SpreadTier(Tier):
         failure, into the next (while the bytes can be read again)."""
         errors: list[OSError] = []
         for member in self._ranking(object_id):
-            if not member.usable() or member.state == "full" or not member.reserve(size):
+            if not member.usable():
+                errors.append(MemberDown(member))
+                continue
+            if member.state == "full" or not member.reserve(size):
+                errors.append(OSError(errno.ENOSPC, f"{member.root} has no room"))
                 continue
             written = None
             try:
@@ -305,10 +309,10 @@ def _score(object_id: str, key: bytes, weight: int) -> float:
 
 
 def _no_room(tier: str, object_id: str, size: int, errors: list[OSError]) -> OSError:
-    hard = [e for e in errors if e.errno not in _FULL]
-    if hard:
-        return OSError(errno.EIO, f"{tier}: no directory could take {object_id}: {hard[-1]}")
-    return OSError(errno.ENOSPC, f"{tier}: no directory has room for {object_id} ({size} bytes)")
+    """ENOSPC when a directory lacked room (the mover can make some), else EIO (every one failed or is down)."""
+    if any(e.errno in FULL_ERRNOS for e in errors):
+        return OSError(errno.ENOSPC, f"{tier}: no directory has room for {object_id} ({size} bytes)")
+    return OSError(errno.EIO, f"{tier}: no directory could take {object_id}: {errors[-1] if errors else 'none'}")
 
 
 class _SourceFailed(Exception):
