@@ -282,10 +282,12 @@ class Checker:
             return
         ref = ObjectRef.of_row(row)
         problem = await self.verify(ref, row["size"])
-        self.report.objects_checked += 1
         if problem is not None and problem.kind == "unavailable":
-            self._unavailable(ref)
-        elif problem is None:
+            self._unavailable(ref)  # not checked
+            self._progress()
+            return
+        self.report.objects_checked += 1
+        if problem is None:
             self._verified[row["id"]] = ref
         else:
             self._problems[row["id"]] = (ref, problem)

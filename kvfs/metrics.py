@@ -74,7 +74,16 @@ HELP = {
     "lookup_misses": "lookups of a name that does not exist",
     "uptime_s": "seconds since the mount started",
     "directory_state": "1 for the state a directory of a spread tier is in (up, full: ENOSPC, down: failed)",
+}
+DIRECTORY_HELP = {
+    "capacity_bytes": "configured capacity of the directory",
+    "used_bytes": "stored bytes the directory holds",
+    "files": "objects the directory holds",
     "written_files": "objects written into the directory",
+    "written_bytes": "stored bytes written into the directory",
+    "read_bytes": "stored bytes read from the directory (reads and moves)",
+    "failures": "I/O errors of the directory",
+    "breaker_opened": "times the directory was taken down",
     "pending_deletions": "deletions waiting for the directory to answer again",
 }
 
@@ -117,12 +126,13 @@ class _Families:
     def __init__(self) -> None:
         self.by_name: dict[str, Metric] = {}
 
-    def add(self, prefix: str, field: str, counter: bool, labels: dict[str, str], value: float) -> None:
+    def add(self, prefix: str, field: str, counter: bool, labels: dict[str, str], value: float,
+            help_text: str | None = None) -> None:
         name = prefix + metric_name(field)
         family = self.by_name.get(name)
         if family is None:
             kind = CounterMetricFamily if counter and field not in GAUGES else GaugeMetricFamily
-            family = self.by_name[name] = kind(name, _help(field), labels=list(labels))
+            family = self.by_name[name] = kind(name, help_text or _help(field), labels=list(labels))
         family.add_metric(list(labels.values()), value)
 
 
@@ -165,7 +175,7 @@ def _directory_metrics(out: _Families, tier: str, d: dict) -> None:
     labels = {"tier": tier, "directory": d["path"]}
     for field, value in d.items():
         if _is_number(value):
-            out.add("kvfs_directory_", field, field in DIRECTORY_COUNTERS, labels, value)
+            out.add("kvfs_directory_", field, field in DIRECTORY_COUNTERS, labels, value, DIRECTORY_HELP.get(field))
     for state in DIRECTORY_STATES:
         out.add("kvfs_", "directory_state", False, {**labels, "state": state}, 1 if d["state"] == state else 0)
 
