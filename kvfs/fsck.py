@@ -392,7 +392,7 @@ class Checker:
             if oid == own_id and size == named.stored_bytes:
                 copies.append(tier_name)
                 continue
-            finding = Finding("orphan", _why_orphan(oid, row, named, size), tier_name, oid, ino)
+            finding = self._located(Finding("orphan", _why_orphan(oid, row, named, size), tier_name, oid, ino))
             orphans.append((finding, lambda t=tier, o=oid: self.store.io(t.name, t.delete, o)))
         for tier_name, stray in found.strays:
             tier = self.store.tiers[tier_name]
@@ -414,7 +414,7 @@ class Checker:
             return
         size = await self._size_of(tier, oid)
         if size is not None:
-            finding = Finding("orphan", f"{oid} is no object id ({size} bytes)", tier.name, oid)
+            finding = self._located(Finding("orphan", f"{oid} is no object id ({size} bytes)", tier.name, oid))
             await self._add(finding, lambda: self.store.io(tier.name, tier.delete, oid))
 
     async def _bad_object(self, ino: int, ref: ObjectRef, problem: Problem, adoptable: ObjectRef | None,
@@ -451,19 +451,19 @@ class Checker:
     async def _duplicate(self, named: ObjectRef, tier_name: str, path: str | None) -> None:
         tier = self.store.tiers[tier_name]
         oid = object_id(named.ino, named.gen)
-        finding = Finding("duplicate", f"a second copy of the object in {named.tier} (a move cut short)",
-                          tier_name, oid, named.ino, path)
+        finding = self._located(Finding("duplicate", f"a second copy of the object in {named.tier} (a move cut "
+                                        "short)", tier_name, oid, named.ino, path))
         await self._add(finding, lambda: self.store.io(tier_name, tier.delete, oid))
 
     def _located(self, finding: Finding) -> Finding:
-        """The finding with its object's directory, in a tier spread over several."""
+        """The finding with its object's directory, in a tier spread over several (a stray's name is its path)."""
         tier = self.store.tiers.get(finding.tier or "")
         if tier is not None and finding.object_id and tier.directories():
             finding.directory = tier.where(finding.object_id)
         return finding
 
     async def _add(self, finding: Finding, removal: Callable[[], object]) -> None:
-        self.report.findings.append(self._located(finding))
+        self.report.findings.append(finding)
         if self.repair:
             await removal()
             finding.repair = "removed"
