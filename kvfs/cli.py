@@ -32,8 +32,9 @@ def main() -> None:
 @main.command()
 @click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--l2", metavar="DIR:SIZE", help="L2 tier directory (normally tmpfs) and capacity, e.g. /dev/shm/kvfs:8G")
-@click.option("--l3", metavar="DIR:SIZE",
-              help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G)")
+@click.option("--l3", metavar="DIR:SIZE", multiple=True,
+              help="L3 tier directory (normally local SSD) and capacity, or 'none' (default: STATE_DIR/l3, 16G); "
+                   "repeat it for several directories, one per SSD, each with its own capacity")
 @click.option("--l4", metavar="s3://BUCKET/PREFIX|DIR",
               help="L4 tier: an S3-compatible store (endpoint and credentials from AWS_ENDPOINT_URL, "
                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS config files or the [l4] TOML section) or a "
@@ -92,7 +93,7 @@ def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_take
           events_endpoint, events_replay):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
-        cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3, l4=l4, l4_capacity=l4_capacity,
+        cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3 or None, l4=l4, l4_capacity=l4_capacity,
                            l4_path_style=l4_path_style, l4_shared=l4_shared, l4_write=l4_write,
                            promote=promote, idle=idle, codec=codec,
                            dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
@@ -275,6 +276,7 @@ def stat_cmd(mountpoint, as_json):
             for tier, limit in q["limits"].items():
                 used = q["used"].get(tier, 0)
                 quota_table.add_row(q["path"], tier, _human(used), _human(limit), f"{100 * used / limit:.1f}")
+    directories = [_directory_table(name, t["directories"]) for name, t in doc["tiers"].items() if t.get("directories")]
     counters = Table(show_header=False, title="counters")
     for key in ("bytes_written", "bytes_read", "direct_reads", "direct_bytes", "commits", "commit_failures",
                 "checksum_failures", "errors", "open_files", "dirty_bytes", "compression_ratio"):
@@ -282,9 +284,27 @@ def stat_cmd(mountpoint, as_json):
         counters.add_row(key, _human(value) if key.startswith(("bytes", "dirty", "direct_bytes")) else str(value))
     console = _table_console()
     console.print(tiers)
+    for table in directories:
+        console.print(table)
     if doc.get("quotas"):
         console.print(quota_table)
     console.print(counters)
+
+
+def _directory_table(tier: str, directories: list[dict]):
+    """A row per directory of a tier spread over several (L3 on several SSDs)."""
+    from rich.table import Table
+
+    table = Table(title=f"{tier} directories")
+    for col in ("directory", "state", "used", "capacity", "use %", "files", "written", "read", "failures"):
+        table.add_column(col, justify="left" if col in ("directory", "state") else "right")
+    for d in directories:
+        pct = 100 * d["used_bytes"] / d["capacity_bytes"] if d["capacity_bytes"] else 0
+        state = f"{d['state']} ({d['reason']})" if d.get("reason") else d["state"]
+        table.add_row(d["path"], state, _human(d["used_bytes"]), _human(d["capacity_bytes"]), f"{pct:.1f}",
+                      str(d["files"]), _moved(d["written_files"], d["written_bytes"]), _human(d["read_bytes"]),
+                      str(d["failures"]))
+    return table
 
 
 @main.command()
@@ -367,7 +387,7 @@ def top(mountpoint, interval, count, plain):
               help="offline: the TOML of an unmounted kvfs ([mount] mountpoint or state_dir, tier paths)")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="offline: where the index lives")
 @click.option("--l2", metavar="DIR:SIZE", help="offline: the L2 tier, as for kvfs mount")
-@click.option("--l3", metavar="DIR:SIZE", help="offline: the L3 tier, as for kvfs mount")
+@click.option("--l3", metavar="DIR:SIZE", multiple=True, help="offline: the L3 tier, as for kvfs mount")
 @click.option("--l4", metavar="s3://BUCKET/PREFIX|DIR", help="offline: the L4 tier, as for kvfs mount")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 def fsck(mountpoint, repair, config_file, state_dir, l2, l3, l4, as_json):
@@ -386,7 +406,7 @@ def fsck(mountpoint, repair, config_file, state_dir, l2, l3, l4, as_json):
     if not offline_options:
         raise click.UsageError("give MOUNTPOINT (a mounted kvfs) or --config FILE (an unmounted one)")
     try:
-        cfg = build_config(None, config_file=config_file, l2=l2, l3=l3, l4=l4, state_dir=state_dir)
+        cfg = build_config(None, config_file=config_file, l2=l2, l3=l3 or None, l4=l4, state_dir=state_dir)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(cli_fsck.offline(cfg, repair, as_json))

@@ -93,13 +93,21 @@ def _print(doc: dict, as_json: bool) -> None:
         click.echo(json.dumps(doc, indent=2))
         return
     console = Console()
+    unavailable = f", {doc['unavailable']} in a directory that is down" if doc.get("unavailable") else ""
     console.print(f"kvfs fsck ({doc['mode']}): {doc['objects_checked']} of {doc['objects_total']} objects "
-                  f"({doc['bytes_checked']:,} bytes) checked, {doc['skipped']} busy files skipped")
+                  f"({doc['bytes_checked']:,} bytes) checked, {doc['skipped']} busy files skipped{unavailable}")
+    if doc.get("directories"):
+        dirs = Table("tier", "directory", "state", "objects", "bytes", "not checked (down)", title="directories")
+        for d in doc["directories"]:
+            state = f"{d['state']} ({d['reason']})" if d.get("reason") else d["state"]
+            dirs.add_row(d["tier"], d["path"], state, str(d["objects"]), f"{d['bytes']:,}", str(d["unavailable"]))
+        console.print(dirs)
     findings = doc["findings"]
     if findings:
         table = Table("kind", "tier", "object", "inode", "path", "detail", "repair", title="findings")
         for f in findings:
-            table.add_row(f["kind"], f["tier"] or "-", f["object_id"] or "-", str(f["ino"] or "-"),
+            tier = f"{f['tier']} {f['directory']}" if f.get("directory") else f["tier"] or "-"
+            table.add_row(f["kind"], tier, f["object_id"] or "-", str(f["ino"] or "-"),
                           f["path"] or "-", f["detail"], f["repair"] or "-")
         console.print(table)
     counts = Table("kind", "found", "repaired", title="summary")
@@ -114,6 +122,11 @@ def _verdict(doc: dict) -> str:
     found, repaired = len(doc["findings"]), doc["repaired"]
     if doc.get("state") == "failed":
         return "the check did not finish"
+    down = [d["path"] for d in doc.get("directories", []) if d["state"] == "down"]
+    if down or doc.get("unavailable"):
+        why = f"{', '.join(down)} down" if down else "I/O errors"
+        return (f"{found - repaired} of {found} findings left uncorrected; {doc.get('unavailable', 0)} files not "
+                f"checked ({why})")
     if not found:
         return "clean"
     if doc["exit_status"] == EXIT_CORRECTED:

@@ -94,8 +94,13 @@ class TierConfig:
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     low_watermark: float = DEFAULT_LOW_WATERMARK
     s3: S3Location | None = None
+    # several directories, each with its capacity (L3 on several SSDs: kvfs/tiers/spread.py); then `path` is
+    # the first and `capacity` their sum. Empty: the tier is `path` alone.
+    directories: tuple[tuple[Path, int], ...] = ()
 
     def describe(self) -> str:
+        if self.directories:
+            return ", ".join(str(p) for p, _ in self.directories)
         return self.s3.url if self.s3 is not None else str(self.path)
 
 
@@ -244,6 +249,45 @@ def _tier_config(name: str, section: dict, spec: str | None, default_path: Path 
     return TierConfig(name, path, capacity, bool(section.get("persistent", persistent)), high, low)
 
 
+def _l3_config(section: dict, specs: str | tuple[str, ...] | None, default_path: Path) -> TierConfig | None:
+    """L3 from [l3] and --l3: one directory (path, capacity / DIR:SIZE) as any tier, or several, each with its
+    own capacity ([l3] directories = [{path, capacity}, …] / --l3 DIR:SIZE repeated)."""
+    specs = (specs,) if isinstance(specs, str) else tuple(specs or ())
+    section = dict(section)
+    listed = section.pop("directories", None)
+    if len(specs) == 1 or (not specs and listed is None):
+        return _tier_config("L3", section, specs[0] if specs else None, default_path, DEFAULT_L3_CAPACITY, True)
+    if specs:
+        if any(s.strip().lower() == "none" for s in specs):
+            raise ConfigError("--l3 none cannot be combined with L3 directories")
+        dirs = [parse_tier_spec(s) for s in specs]
+    else:
+        if {"path", "capacity"} & set(section):
+            raise ConfigError("[l3] has directories: give each its path and capacity there, not path/capacity")
+        dirs = [_l3_directory(d) for d in listed] if isinstance(listed, list) else []
+    if len(dirs) < 2:
+        raise ConfigError("[l3] directories needs at least two entries {path = …, capacity = …} (one: use path)")
+    tier = _tier_config("L3", section, None, dirs[0][0], sum(c for _, c in dirs), True)
+    return dataclasses.replace(tier, directories=tuple(dirs))
+
+
+def _l3_directory(entry) -> tuple[Path, int]:
+    if not isinstance(entry, dict) or set(entry) != {"path", "capacity"}:
+        raise ConfigError(f"[l3] directories: each entry is {{path = DIR, capacity = SIZE}}, got {entry!r}")
+    return Path(entry["path"]).expanduser(), parse_size(entry["capacity"])
+
+
+def _overlapping(paths: list[Path]) -> tuple[Path, Path] | None:
+    """Two tier directories that are the same or one inside the other (a listing of one would see the other's
+    objects as strays), or None."""
+    real = [p.resolve() for p in paths]
+    for i, a in enumerate(real):
+        for b in real[i + 1:]:
+            if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+                return a, b
+    return None
+
+
 S3_KEYS = {"endpoint_url": str, "region": str, "profile": str, "path_style": bool, "access_key_id": str,
            "secret_access_key": str, "timeout_s": float, "attempts": int, "deadline_s": float,
            "breaker_failures": int, "probe_s": float, "shared": bool, "write_policy": str,
@@ -322,7 +366,7 @@ def build_config(
     *,
     config_file: str | Path | None = None,
     l2: str | None = None,
-    l3: str | None = None,
+    l3: str | tuple[str, ...] | None = None,
     l4: str | None = None,
     l4_capacity: str | None = None,
     l4_path_style: bool | None = None,
@@ -365,13 +409,17 @@ def build_config(
                            DEFAULT_L2_CAPACITY, False)
     if l2_tier is None:
         raise ConfigError("L2 cannot be disabled")
-    l3_tier = _tier_config("L3", toml.get("l3", {}), l3, default_l3_dir(sdir), DEFAULT_L3_CAPACITY, True)
+    l3_tier = _l3_config(toml.get("l3", {}), l3, default_l3_dir(sdir))
     if l3_tier is not None and l3_tier.path.resolve() == l2_tier.path.resolve():
         raise ConfigError("L2 and L3 must be different directories")
     l4_tier = _l4_config(toml.get("l4", {}), l4, l4_capacity, l4_path_style, l4_shared, l4_write)
     if l4_tier is not None and l4_tier.path is not None and any(
             t is not None and t.path.resolve() == l4_tier.path.resolve() for t in (l2_tier, l3_tier)):
         raise ConfigError("L4 must be a directory of its own")
+    if l3_tier is not None and l3_tier.directories:
+        dirs = [l2_tier.path, *(p for p, _ in l3_tier.directories), *([l4_tier.path] if l4_tier and l4_tier.path else [])]
+        if both := _overlapping(dirs):
+            raise ConfigError(f"tier directories must not overlap: {both[0]} and {both[1]}")
     lease_s = _l4_lease(toml.get("l4", {}))
     if l4_takeover is not None:
         if l4_takeover not in TAKEOVERS:

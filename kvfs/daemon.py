@@ -34,7 +34,7 @@ from .sealing import Tenants
 from .shared import SharedNamespace
 from .stats import Counters
 from .store import Store
-from .tiers import DirectoryTier, S3Tier, S3Unavailable, Tier
+from .tiers import DirectoryTier, S3Tier, S3Unavailable, SpreadTier, Tier
 
 log = logging.getLogger("kvfs")
 MAINTENANCE_TICK = 1.0  # seconds
@@ -205,7 +205,9 @@ def open_tiers(config: Config) -> list[Tier]:
     private L4 comes fenced (read-only) until this process claims it (kvfs/owner.py)."""
     tiers: list[Tier] = []
     for t in config.tiers:
-        if t.s3 is None:
+        if t.directories:
+            tiers.append(SpreadTier(t.name, t.directories, t.persistent))
+        elif t.s3 is None:
             tiers.append(DirectoryTier(t.name, t.path, t.capacity, t.persistent))
         else:
             tier = S3Tier(t.name, t.s3, t.capacity)
@@ -241,10 +243,13 @@ def _load_qat() -> QatCodec:
 def _warn_if_disk_smaller(tiers: list[Tier]) -> None:
     """A capacity larger than the filesystem under a tier can hold turns into ENOSPC from the disk (failed
     commits and moves) instead of orderly eviction: say so at start."""
-    for tier in tiers:
+    for tier in (member for t in tiers for member in getattr(t, "members", [t])):
         if not isinstance(tier, DirectoryTier) or tier.capacity >= 1 << 60:
             continue
-        disk = os.statvfs(tier.root)
+        try:
+            disk = os.statvfs(tier.root)
+        except OSError:
+            continue  # a directory of a spread tier that is down: said at start
         room = disk.f_bavail * disk.f_frsize + tier.used_bytes
         if room < tier.capacity:
             log.warning("%s capacity %d MiB exceeds what %s can hold (%d MiB): lower it to avoid ENOSPC from the "

@@ -17,6 +17,11 @@ whatever looked wrong, check the index's link invariants (I1, I2). Finding kinds
 - index:     a name of a missing inode or in a non-directory (I1), a wrong link count (I2), an unlinked
              inode left by an unclean stop (offline).
 
+A tier spread over several directories (L3 on several SSDs) is reported per directory (`directories`: its
+state, what the listing found there). A directory that is down is not read: the rows whose object lies
+there are counted `unavailable`, never dropped (they read again once it is back), and the run does not
+end clean.
+
 Exit status, after e2fsck: 0 nothing found, 1 everything found was repaired, 4 findings left (a check without
 --repair, or a repair that could not be done), 8 the check could not run or finish (see EXIT_*).
 """
@@ -35,7 +40,7 @@ from . import format as fmt
 from .index import ROOT_INODE, Index, object_id, parse_object_id
 from .store import PROBE_BYTES, ObjectRef, Store
 from .staging import STAGING_DIR
-from .tiers import Stray, Tier
+from .tiers import MemberDown, Stray, Tier
 
 KINDS = ("corrupt", "missing", "orphan", "duplicate", "index")
 EXIT_CLEAN, EXIT_CORRECTED, EXIT_UNCORRECTED, EXIT_FAILED = 0, 1, 4, 8
@@ -53,6 +58,7 @@ class Finding:
     ino: int | None = None
     path: str | None = None
     repair: str | None = None  # what was done about it; None: nothing (yet)
+    directory: str | None = None  # where the object is, in a tier spread over several directories
 
 
 @dataclasses.dataclass
@@ -66,7 +72,9 @@ class Report:
     bytes_total: int = 0
     bytes_checked: int = 0
     skipped: int = 0  # files busy (being written, moved) when looked at: left for the next run
+    unavailable: int = 0  # files whose object lies in a directory that is down: not checked
     findings: list[Finding] = dataclasses.field(default_factory=list)
+    directories: list[dict] = dataclasses.field(default_factory=list)  # of spread tiers: state, objects listed
 
     @property
     def repaired(self) -> int:
@@ -74,6 +82,8 @@ class Report:
 
     @property
     def exit_status(self) -> int:
+        if self.unavailable or any(d["state"] == "down" for d in self.directories):
+            return EXIT_UNCORRECTED  # a directory down: not everything could be checked
         if not self.findings:
             return EXIT_CLEAN
         return EXIT_CORRECTED if self.repaired == len(self.findings) else EXIT_UNCORRECTED
@@ -84,9 +94,9 @@ class Report:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "phase": self.phase, "objects_total": self.objects_total,
                 "objects_checked": self.objects_checked, "bytes_total": self.bytes_total,
-                "bytes_checked": self.bytes_checked, "skipped": self.skipped, "counts": self.counts(),
-                "repaired": self.repaired, "exit_status": self.exit_status,
-                "findings": [dataclasses.asdict(f) for f in self.findings]}
+                "bytes_checked": self.bytes_checked, "skipped": self.skipped, "unavailable": self.unavailable,
+                "counts": self.counts(), "repaired": self.repaired, "exit_status": self.exit_status,
+                "findings": [dataclasses.asdict(f) for f in self.findings], "directories": self.directories}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +186,9 @@ class Checker:
             await self._recheck_loose(self.store.tiers[tier_name], oid, stray)
         self._progress("index")
         await self._check_index()
+        for d in self.report.directories:  # as they are now: a directory may have failed during the run
+            now = next(n for n in self.store.tiers[d["tier"]].directories() if n["path"] == d["path"])
+            d["state"], d["reason"] = now["state"], now["reason"]
         self._progress("done")
         return self.report
 
@@ -202,6 +215,22 @@ class Checker:
                     self._loose.append((tier.name, None, stray))
                 else:
                     self._candidates.setdefault(parsed[0], _Candidates()).strays.append((tier.name, stray))
+            self._list_directories(tier, objects)
+
+    def _list_directories(self, tier: Tier, objects: list) -> None:
+        """Per directory of a spread tier: its state and what the listing found there."""
+        if not tier.directories():
+            return
+        found: dict[str, list[int]] = {}
+        for info in objects:
+            counts = found.setdefault(tier.where(info.object_id), [0, 0])
+            counts[0] += 1
+            counts[1] += info.size
+        for d in tier.directories():
+            objects_, bytes_ = found.get(d["path"], (0, 0))
+            self.report.directories.append({"tier": tier.name, "path": d["path"], "state": d["state"],
+                                            "reason": d["reason"], "objects": objects_, "bytes": bytes_,
+                                            "unavailable": 0})
 
     def _rows(self) -> list:
         """Rows with an object; those whose object is elsewhere than where the listing found it, and every
@@ -253,6 +282,10 @@ class Checker:
             return
         ref = ObjectRef.of_row(row)
         problem = await self.verify(ref, row["size"])
+        if problem is not None and problem.kind == "unavailable":
+            self._unavailable(ref)  # not checked
+            self._progress()
+            return
         self.report.objects_checked += 1
         if problem is None:
             self._verified[row["id"]] = ref
@@ -287,9 +320,27 @@ class Checker:
             return Problem("corrupt", str(e))
         except FileNotFoundError:
             return Problem("missing", "vanished while being read")
+        except OSError as e:
+            if not tier.directories():
+                raise  # the tier failed: the run cannot finish
+            return Problem("unavailable", str(e))  # its directory failed: neither intact nor bad
         if count:
             self.report.bytes_checked += header.data_offset
         return None
+
+    def _unavailable(self, ref: ObjectRef) -> None:
+        self.report.unavailable += 1
+        where = self.store.tiers[ref.tier].where(ref.object_id)
+        for d in self.report.directories:
+            if (d["tier"], d["path"]) == (ref.tier, where):
+                d["unavailable"] += 1
+
+    async def _size_of(self, tier: Tier, oid: str) -> int | None:
+        """An object's size now; None when absent or in a directory that went down since the listing."""
+        try:
+            return await self.store.io(tier.name, tier.size_of, oid)
+        except MemberDown:
+            return None
 
     # -- the second look --------------------------------------------------------------------------------
     async def _recheck(self, ino: int) -> None:
@@ -323,7 +374,8 @@ class Checker:
             return None
         if self._verified.get(ino) == named:
             return None  # verified in the first pass, and the row has not changed since
-        return await self.verify(named, row["size"], count=False)
+        problem = await self.verify(named, row["size"], count=False)
+        return None if problem is not None and problem.kind == "unavailable" else problem
 
     async def _sort_candidates(self, ino: int, row, named: ObjectRef | None):
         """The listing's candidates for `ino`, looked at now: complete copies of its object in other tiers,
@@ -334,13 +386,13 @@ class Checker:
         own_id = object_id(ino, named.gen) if named is not None else None
         for tier_name, oid in found.objects:
             tier = self.store.tiers[tier_name]
-            size = await self.store.io(tier_name, tier.size_of, oid)
+            size = await self._size_of(tier, oid)
             if size is None or (named is not None and (tier_name, oid) == (named.tier, named.object_id)):
                 continue
             if oid == own_id and size == named.stored_bytes:
                 copies.append(tier_name)
                 continue
-            finding = Finding("orphan", _why_orphan(oid, row, named, size), tier_name, oid, ino)
+            finding = self._located(Finding("orphan", _why_orphan(oid, row, named, size), tier_name, oid, ino))
             orphans.append((finding, lambda t=tier, o=oid: self.store.io(t.name, t.delete, o)))
         for tier_name, stray in found.strays:
             tier = self.store.tiers[tier_name]
@@ -360,17 +412,17 @@ class Checker:
             finding = Finding("orphan", f"{what} {stray.name} ({stray.size} bytes)", tier.name)
             await self._add(finding, lambda: self.store.io(tier.name, tier.remove_stray, stray.name))
             return
-        size = await self.store.io(tier.name, tier.size_of, oid)
+        size = await self._size_of(tier, oid)
         if size is not None:
-            finding = Finding("orphan", f"{oid} is no object id ({size} bytes)", tier.name, oid)
+            finding = self._located(Finding("orphan", f"{oid} is no object id ({size} bytes)", tier.name, oid))
             await self._add(finding, lambda: self.store.io(tier.name, tier.delete, oid))
 
     async def _bad_object(self, ino: int, ref: ObjectRef, problem: Problem, adoptable: ObjectRef | None,
                           path: str | None) -> None:
-        finding = Finding(problem.kind, problem.detail, ref.tier, ref.object_id, ino, path)
+        finding = self._located(Finding(problem.kind, problem.detail, ref.tier, ref.object_id, ino, path))
         if adoptable is not None:
-            copy = Finding("duplicate", f"a complete copy of {ref.object_id} (a move cut short) that verifies: "
-                           "adoptable", adoptable.tier, adoptable.object_id, ino, path)
+            copy = self._located(Finding("duplicate", f"a complete copy of {ref.object_id} (a move cut short) "
+                                         "that verifies: adoptable", adoptable.tier, adoptable.object_id, ino, path))
             self.report.findings += [finding, copy]
             if self.repair and await self._adopt(ino, ref, adoptable, problem):
                 finding.repair = f"replaced by the copy in {adoptable.tier}"
@@ -399,9 +451,16 @@ class Checker:
     async def _duplicate(self, named: ObjectRef, tier_name: str, path: str | None) -> None:
         tier = self.store.tiers[tier_name]
         oid = object_id(named.ino, named.gen)
-        finding = Finding("duplicate", f"a second copy of the object in {named.tier} (a move cut short)",
-                          tier_name, oid, named.ino, path)
+        finding = self._located(Finding("duplicate", f"a second copy of the object in {named.tier} (a move cut "
+                                        "short)", tier_name, oid, named.ino, path))
         await self._add(finding, lambda: self.store.io(tier_name, tier.delete, oid))
+
+    def _located(self, finding: Finding) -> Finding:
+        """The finding with its object's directory, in a tier spread over several (a stray's name is its path)."""
+        tier = self.store.tiers.get(finding.tier or "")
+        if tier is not None and finding.object_id and tier.directories():
+            finding.directory = tier.where(finding.object_id)
+        return finding
 
     async def _add(self, finding: Finding, removal: Callable[[], object]) -> None:
         self.report.findings.append(finding)

@@ -152,6 +152,9 @@ class LiveFsck:
                         f" (inode {f.ino}{', ' + f.path if f.path else ''})" if f.ino else "", f.detail,
                         f"; repaired: {f.repair}" if f.repair else "")
         counts = ", ".join(f"{n} {kind}" for kind, n in report.counts().items() if n) or "nothing found"
+        for d in report.directories:
+            if d["state"] == "down" or d["unavailable"]:
+                counts += f"; {d['tier']} {d['path']} {d['state']}: {d['unavailable']} files not checked"
         log.info("fsck %d done: %d objects (%d bytes) checked, %d busy files skipped; %s; %d repaired",
                  self.job_id, report.objects_checked, report.bytes_checked, report.skipped, counts,
                  report.repaired)

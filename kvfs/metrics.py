@@ -39,6 +39,9 @@ TIER_COUNTERS = {f.name for f in dataclasses.fields(stats.TierCounters)} | {
     "breaker_opened"}
 GLOBAL_COUNTERS = {f.name for f in dataclasses.fields(stats.Counters)} - {"tiers"}
 GAUGES = {"pinned_files", "pinned_bytes"}  # states, wherever they are kept
+# a tier spread over several directories (L3 on several SSDs): kvfs_directory_<field>{tier=…, directory=…}
+DIRECTORY_COUNTERS = {"written_files", "written_bytes", "read_bytes", "failures", "breaker_opened"}
+DIRECTORY_STATES = ("up", "full", "down")
 RENAMED = {"frame_size": "frame_size_bytes"}  # a unit the field name leaves implicit
 SKIPPED = {"version", "pid", "tiers", "mover", "qat", "quotas", "events"}  # identity, or mapped on their own below
 HELP = {
@@ -75,6 +78,18 @@ HELP = {
     "announced_files": "files whose blocks the KV events announce now",
     "lookup_misses": "lookups of a name that does not exist",
     "uptime_s": "seconds since the mount started",
+    "directory_state": "1 for the state a directory of a spread tier is in (up, full: ENOSPC, down: failed)",
+}
+DIRECTORY_HELP = {
+    "capacity_bytes": "configured capacity of the directory",
+    "used_bytes": "stored bytes the directory holds",
+    "files": "objects the directory holds",
+    "written_files": "objects written into the directory",
+    "written_bytes": "stored bytes written into the directory",
+    "read_bytes": "stored bytes read from the directory (reads and moves)",
+    "failures": "I/O errors of the directory",
+    "breaker_opened": "times the directory was taken down",
+    "pending_deletions": "deletions waiting for the directory to answer again",
 }
 
 
@@ -116,12 +131,13 @@ class _Families:
     def __init__(self) -> None:
         self.by_name: dict[str, Metric] = {}
 
-    def add(self, prefix: str, field: str, counter: bool, labels: dict[str, str], value: float) -> None:
+    def add(self, prefix: str, field: str, counter: bool, labels: dict[str, str], value: float,
+            help_text: str | None = None) -> None:
         name = prefix + metric_name(field)
         family = self.by_name.get(name)
         if family is None:
             kind = CounterMetricFamily if counter and field not in GAUGES else GaugeMetricFamily
-            family = self.by_name[name] = kind(name, _help(field), labels=list(labels))
+            family = self.by_name[name] = kind(name, help_text or _help(field), labels=list(labels))
         family.add_metric(list(labels.values()), value)
 
 
@@ -152,6 +168,8 @@ def families(doc: dict) -> list[Metric]:
 
 
 def _tier_metrics(out: _Families, tier: str, fields: dict) -> None:
+    for d in fields.get("directories", []):
+        _directory_metrics(out, tier, d)
     for field, value in fields.items():
         counter = field in TIER_COUNTERS
         if _is_number(value):
@@ -162,6 +180,15 @@ def _tier_metrics(out: _Families, tier: str, fields: dict) -> None:
                     out.add("kvfs_tier_", field, counter, {"tier": tier, "kind": str(kind)}, n)
     if "breaker" in fields:
         out.add("kvfs_tier_", "breaker_open", False, {"tier": tier}, 1 if fields["breaker"] == "open" else 0)
+
+
+def _directory_metrics(out: _Families, tier: str, d: dict) -> None:
+    labels = {"tier": tier, "directory": d["path"]}
+    for field, value in d.items():
+        if _is_number(value):
+            out.add("kvfs_directory_", field, field in DIRECTORY_COUNTERS, labels, value, DIRECTORY_HELP.get(field))
+    for state in DIRECTORY_STATES:
+        out.add("kvfs_", "directory_state", False, {**labels, "state": state}, 1 if d["state"] == state else 0)
 
 
 def tier_misses(doc: dict) -> dict[str, int]:

@@ -8,7 +8,9 @@
 - a shared L4 is not listed: its rows are kept (their objects are verified when read) and counted;
 - a fenced tier (a private L4 this process has not claimed: kvfs/owner.py) is listed but nothing in it is
   deleted: another mount may own those objects;
-- tier usage counters are seeded from what remains.
+- tier usage counters are seeded from what remains;
+- a tier spread over several directories (L3 on several SSDs) says how each is: one that is down is not
+  listed, so the rows whose object lies there are dropped (misses) while the others keep theirs.
 """
 
 from __future__ import annotations
@@ -88,7 +90,19 @@ def reconcile(index: Index, tiers: list[Tier]) -> ReconcileReport:
     _fix_directory_links(index)
     if any(dataclasses.astuple(report)):
         log.info("reconcile: %s", report)
+    _log_directories(tiers)
     return report
+
+
+def _log_directories(tiers: list[Tier]) -> None:
+    for tier in tiers:
+        for d in tier.directories():
+            if d["state"] == "down":
+                log.warning("reconcile: %s directory %s is down (%s): its files are misses", tier.name, d["path"],
+                            d["reason"])
+            else:
+                log.info("reconcile: %s directory %s: %d objects, %d MiB of %d MiB", tier.name, d["path"],
+                         d["files"], d["used_bytes"] >> 20, d["capacity_bytes"] >> 20)
 
 
 def _fix_directory_links(index: Index) -> None:

@@ -87,6 +87,14 @@ class Tier(abc.ABC):
         """Tier-specific figures for .kvfs/stats (requests and bytes of a remote store)."""
         return {}
 
+    def where(self, object_id: str) -> str:
+        """The directory (or store) an object is in, for reports; no I/O."""
+        return self.describe()
+
+    def directories(self) -> list[dict]:
+        """Per-directory state of a tier spread over several (kvfs/tiers/spread.py); empty for the others."""
+        return []
+
     def free_bytes(self) -> int:
         return max(0, self.capacity - self.used_bytes)
 

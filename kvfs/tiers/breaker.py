@@ -76,6 +76,23 @@ class Breaker:
         log.warning("%s is down after %d failures in a row (%s): circuit open, failing fast, probing every %g s",
                     self.name, self.threshold, reason, self.probe_s)
 
+    def trip(self, reason: str) -> None:
+        """Open now: a failure that will not go away by itself (the filesystem vanished, read-only)."""
+        with self._lock:
+            self._failures = max(self._failures, self.threshold)
+            self._reason = reason
+            self._next_probe = time.monotonic() + self.probe_s
+            if self._open:
+                return
+            self._open = True
+            self.opened += 1
+        log.warning("%s is down (%s): circuit open, failing fast, probing every %g s", self.name, reason,
+                    self.probe_s)
+
+    @property
+    def reason(self) -> str:
+        return self._reason
+
     def stats(self) -> dict:
         with self._lock:
             return {"breaker": "open" if self._open else "closed", "breaker_opened": self.opened,
