@@ -711,11 +711,11 @@ class Mover:
             if key is None:
                 return
             ref = ObjectRef.of_row(row)
+            meta = {"kvfs-mode": oct(row["mode"]), **encode_xattrs(self._user_xattrs(ino))}  # as a demotion's
             try:
                 async with self._slots:
                     etag = await self.store.io(shared.name, shared.publish, key, self.store.tiers[ref.tier],
-                                               ref.object_id, ref.stored_bytes, {"kvfs-mode": oct(row["mode"])},
-                                               size=ref.stored_bytes)
+                                               ref.object_id, ref.stored_bytes, meta, size=ref.stored_bytes)
             except FileExistsError:
                 self.counters.publish_conflicts += 1
                 conflicts.append(ino)
