@@ -130,6 +130,9 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     mover.max_backlog = config.max_backlog
     mover.quotas = Quotas(index, [t.name for t in tiers], dict(config.quotas))
     mover.write_through = any(t.s3 is not None and t.s3.write_policy == "through" for t in config.tiers)
+    if mover.write_through:  # what a crash or a stop left unpublished (the settling schedule is in memory)
+        for ino in index.unpublished_files():
+            mover.publish_later(ino)
     ops = Operations(config, index, store, mover, locks, counters)
     ops.qat = qat_codec
     shared = [t for t in tiers if t.shared]

@@ -348,6 +348,11 @@ class Index:
             "AND pinned = 0 ORDER BY last_access_ns LIMIT ?", (tier, limit + len(skip))).fetchall()
         return [r for r in rows if r["id"] not in skip][:limit]
 
+    def unpublished_files(self) -> list[int]:
+        """Committed files without a published_key (I7): what a shared L4's write policy through still owes."""
+        return [r[0] for r in self.db.execute(
+            "SELECT id FROM inodes WHERE obj_gen > 0 AND published_key IS NULL AND nlink > 0")]
+
     def objects(self) -> Iterator[sqlite3.Row]:
         return iter(self.db.execute("SELECT id, obj_gen, obj_tier, stored_bytes FROM inodes WHERE obj_gen > 0")
                     .fetchall())

@@ -38,6 +38,7 @@ class KvfsMount:
         self.allowed: list[re.Pattern] = []
         self.args: list[str] = []
         self.exit_codes: list[int] = []
+        self.launcher: list[str] = []  # a command prefix for the daemon, e.g. nsenter into a network namespace
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, *args: str, l2_size: str = "512M", timeout: float = 20.0,
@@ -52,7 +53,7 @@ class KvfsMount:
                 self.l3 = Path(a.split("=", 1)[1].rpartition(":")[0])
         if "--l3" in args:
             self.l3 = Path(args[args.index("--l3") + 1].rpartition(":")[0])
-        cmd = [sys.executable, "-m", "kvfs", "mount", "--foreground", str(self.mountpoint), *self.args]
+        cmd = [*self.launcher, sys.executable, "-m", "kvfs", "mount", "--foreground", str(self.mountpoint), *self.args]
         log = open(self.log_path, "ab")
         log.write(f"=== start {' '.join(cmd)}\n".encode())
         log.flush()
