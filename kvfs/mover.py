@@ -764,11 +764,15 @@ class Mover:
             if key is None:
                 return
             ref = ObjectRef.of_row(row)
+            planned = await self._copy_plan(ino, ref, shared)  # sealed on the way where the store is sealed
+            if planned is None:
+                self._settling[ino] = time.monotonic() + SETTLE_S * 5
+                return
             try:
                 async with self._slots:
                     etag = await self.store.io(shared.name, shared.publish, key, self.store.tiers[ref.tier],
                                                ref.object_id, ref.stored_bytes, self._publish_meta(row),
-                                               size=ref.stored_bytes)
+                                               planned[0], size=ref.stored_bytes)
             except FileExistsError:
                 self.counters.publish_conflicts += 1
                 conflicts.append(ino)

@@ -15,6 +15,7 @@ import pytest
 from conftest import s3_client
 from test_encryption import PATTERN, canary, key_file
 from test_l4 import l4_keys, settle, start_with_l4
+from test_tiers import wait_for
 
 from kvfs import crypto
 from kvfs import format as fmt
@@ -130,6 +131,16 @@ def test_a_shared_prefix_publishes_sealed_objects_other_mounts_open(make_mount, 
     assert f"{prefix}/files/ns/x.kv" in objects
     assert not [key for key, body in objects.items() if PATTERN in body]
     assert b.path("ns", "x.kv").read_bytes() == FILES["f2"]
+
+    # write policy through: published right after the close, while the local copy stays in L2 (unsealed)
+    c = start_with_l4(make_mount("c"), ceph, prefix, "--l4-shared", "--l4-write", "through", "--codec", "none",
+                      "--key-file", str(k), "--promote", "never", l2="64M", l3="64M")
+    c.path("ns", "y.kv").write_bytes(FILES["f1"])
+    wait_for(lambda: c.stats()["published_through"] == 1, what="the write-through publish")
+    objects = bucket_objects(ceph, prefix)
+    assert f"{prefix}/files/ns/y.kv" in objects
+    assert not [key for key, body in objects.items() if PATTERN in body]
+    assert b.path("ns", "y.kv").read_bytes() == FILES["f1"]
 
 
 def test_deleting_a_tenant_key_shreds_its_files_in_the_bucket_and_no_one_elses(make_mount, ceph, tmp_path):
