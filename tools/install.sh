@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 source tools/apt_install.sh
 # systemd: systemd-analyze and systemd-tmpfiles check the service files (tests/test_service.py)
-apt_install_missing fuse3 libfuse3-dev pkg-config gcc fio stress-ng attr util-linux systemd rsync
+apt_install_missing fuse3 libfuse3-dev pkg-config gcc fio stress-ng attr util-linux systemd rsync iproute2 e2fsprogs
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
