@@ -62,6 +62,8 @@ XA_OBJECT = direct.XA_OBJECT.encode()  # where the object lies, for readers past
 XA_STAGING = staging.XA_STAGING.encode()  # on a directory: the direct-write offer (kvfs/adopt.py)
 XA_ADOPT = staging.XA_ADOPT.encode()  # set on a directory: adopt a staged object as a file there
 XA_CONGESTED = b"user.kvfs.congested"  # 1 while the mover is behind: writers that can, shed saves (back-pressure)
+XA_SHED = b"user.kvfs.shed"  # set to N: a writer reports N saves it skipped while congested (counted, not kept)
+SHED_REPORT_MAX = 1 << 20
 IGNORED_XATTRS = (*INFO_XATTRS, XA_OBJECT, XA_CONGESTED)  # set/remove succeed and change nothing (cp -a, rsync -X)
 SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 
@@ -798,6 +800,15 @@ class Operations(pyfuse3.Operations):
             names = [*INFO_XATTRS, *names]
         return names
 
+    def _count_shed(self, value: bytes) -> None:
+        try:
+            n = int(value.decode().strip())
+        except (UnicodeDecodeError, ValueError):
+            n = 0
+        if not 1 <= n <= SHED_REPORT_MAX:
+            raise _err(errno.EINVAL)
+        self.counters.saves_shed += n
+
     def _set_quota(self, inode: int, row, value: bytes) -> None:
         """user.kvfs.quota on a directory (kvfs/quotas.py): validated, kept normalized, enforced by the mover."""
         if not stat.S_ISDIR(row["mode"]):
@@ -831,6 +842,9 @@ class Operations(pyfuse3.Operations):
             raise _err(errno.E2BIG)
         if name == XA_ADOPT and stat.S_ISDIR(row["mode"]):
             await self._adopt(inode, bytes(value), ctx)
+            return
+        if name == XA_SHED:
+            self._count_shed(bytes(value))
             return
         if not name.startswith(b"user."):
             raise _err(errno.EOPNOTSUPP)

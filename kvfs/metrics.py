@@ -72,7 +72,7 @@ HELP = {
     "quota_used_bytes": "stored bytes below a directory with a quota, per tier",
     "errors": "unexpected exceptions answered with EIO",
     "expired_files": "files dropped at the end of their retention time (user.kvfs.ttl)",
-    "saves_shed": "direct writes refused while the mover was congested (back-pressure)",
+    "saves_shed": "saves skipped while the mover was congested: sheddable adoptions refused, and writers' reports",
     "published": "KV events published (BlockStored, BlockRemoved, AllBlocksCleared)",
     "batches_dropped": "KV event batches dropped because the publisher thread fell behind",
     "announced_files": "files whose blocks the KV events announce now",

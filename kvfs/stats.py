@@ -54,7 +54,7 @@ class Counters:
     move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
     expired_files: int = 0  # files dropped from every tier at the end of their retention time (user.kvfs.ttl)
     expired_bytes: int = 0  # their stored bytes
-    saves_shed: int = 0  # direct writes refused while the mover was congested (back-pressure: docs/hotcold.md)
+    saves_shed: int = 0  # saves skipped while the mover was congested: refused adoptions + writers' reports
     writer_waits: int = 0  # commits that waited for the mover to make room
     writer_wait_s: float = 0.0
     tiers: dict[str, TierCounters] = dataclasses.field(default_factory=dict)

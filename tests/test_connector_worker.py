@@ -348,7 +348,11 @@ def test_saves_are_shed_while_the_mover_is_behind_and_loads_go_on(make_mount, ce
         assert w.stats["saves_shed"] == 1 and not os.path.exists(shed.paths[0])
         with pytest.raises(OSError) as e:  # a sheddable direct write that got past the check: refused
             direct.write_file(m.path("late.kv"), os.urandom(1 << 20), shed=True)
-        assert e.value.errno == errno.EBUSY and m.stats()["saves_shed"] >= 1 and not m.path("late.kv").exists()
+        assert e.value.errno == errno.EBUSY and not m.path("late.kv").exists()
+        assert m.stats()["saves_shed"] == 2  # the worker's skip (reported or refused) and this one
+        with pytest.raises(OSError) as e:
+            os.setxattr(m.mountpoint, "user.kvfs.shed", b"many")
+        assert e.value.errno == errno.EINVAL
         assert _load(w, spec, [0, 9]) == set()  # loads go on
         for c, o in zip(caches, original):
             assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))

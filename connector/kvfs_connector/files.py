@@ -17,6 +17,7 @@ XA_BLOCKS = "user.kvfs.blocks"  # the chunk's vLLM blocks (kvfs/events.py): what
 XA_PREFETCH = "user.kvfs.prefetch"  # the hot/cold API (kvfs/hotcold.py): promote in the background
 XA_IDLE = "user.kvfs.idle"  # the idle policy: not read for N seconds, down a tier
 XA_CONGESTED = "user.kvfs.congested"  # 1 while kvfs's mover is behind: saves are shed (back-pressure)
+XA_SHED = "user.kvfs.shed"  # report N skipped saves: kvfs counts them (saves_shed, kvfs_saves_shed_total)
 CONGESTION_RECHECK_S = 0.25
 
 
@@ -39,6 +40,13 @@ class Congestion:
                 except OSError:
                     self._congested = False  # not kvfs, or an older one: no back-pressure signal
             return self._congested
+
+    def report_shed(self) -> None:
+        """Tell kvfs a save was skipped, so its stats and metrics count every shed save (best effort)."""
+        try:
+            os.setxattr(self.mount, XA_SHED, b"1")
+        except OSError:
+            pass
 
 
 def exists(path: str) -> bool:

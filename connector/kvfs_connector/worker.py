@@ -252,6 +252,7 @@ class WorkerSide:
                 return
             if self.congested():  # kvfs's mover is behind: skip the save rather than queue behind it
                 self._shed(path)
+                self.congested.report_shed()  # (a refused adoption, below, kvfs counts itself)
                 return
             parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
                                     slot[:self.payload_bytes].numpy())
