@@ -10,15 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from .config import CODECS, DTYPES, ConfigError, build_config
 from .stats import human_bytes as _human
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 MOUNT_WAIT_S = 30.0
 
@@ -282,7 +278,9 @@ def stat_cmd(mountpoint, as_json):
                 "checksum_failures", "errors", "open_files", "dirty_bytes", "compression_ratio"):
         value = doc.get(key)
         counters.add_row(key, _human(value) if key.startswith(("bytes", "dirty", "direct_bytes")) else str(value))
-    console = _table_console()
+    from .console import table_console  # rich loads only for the commands that print tables
+
+    console = table_console()
     console.print(tiers)
     for table in directories:
         console.print(table)
@@ -347,17 +345,6 @@ def _mount_of(path: Path) -> Path:
     return path
 
 
-# wider than any table we print: off a terminal, tables take their natural width
-_UNBOUNDED_WIDTH = 10_000
-
-
-def _table_console() -> Console:
-    """A console for stdout: on a terminal, its width; elsewhere (a pipe, a file) rich would assume 80 columns
-    and cut cells such as tier paths with "…", so the width is left unbounded and every cell prints whole."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=_UNBOUNDED_WIDTH)
 
 
 @main.command()

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from .config import Config
+from .console import table_console
 from .fsck import EXIT_CORRECTED, EXIT_FAILED, KINDS
 from .fsck_live import XA_FSCK
 
@@ -92,7 +93,7 @@ def _print(doc: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
-    console = Console()
+    console = table_console()
     unavailable = f", {doc['unavailable']} in a directory that is down" if doc.get("unavailable") else ""
     console.print(f"kvfs fsck ({doc['mode']}): {doc['objects_checked']} of {doc['objects_total']} objects "
                   f"({doc['bytes_checked']:,} bytes) checked, {doc['skipped']} busy files skipped{unavailable}")
