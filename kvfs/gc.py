@@ -55,26 +55,11 @@ def collect(location: S3Location, max_bytes: int | None = None, max_age_s: float
         if fid in files:
             files[fid][1] = max(files[fid][1], t)
     report = GcReport(files=len(files), bytes=sum(size for size, _ in files.values()))
-    total = report.bytes
-    for fid in sorted(f for f, at in expires_at.items() if f in files and at <= now):  # past retention: first
-        size, _ = files.pop(fid)
-        if not dry_run:
-            tier.delete(fid)
-        total -= size
-        report.deleted_files += 1
-        report.deleted_bytes += size
-        report.deleted.append(fid)
-    for fid, (size, last) in sorted(files.items(), key=lambda kv: kv[1][1]):
-        too_old = max_age_s is not None and last < now - max_age_s
-        too_big = max_bytes is not None and total > max_bytes
-        if not (too_old or too_big):
-            break  # oldest first: every later file is newer, and the total only shrank
-        if not dry_run:
-            tier.delete(fid)
-        total -= size
-        report.deleted_files += 1
-        report.deleted_bytes += size
-        report.deleted.append(fid)
+    report.deleted = victims(files, expires_at, now, max_bytes, max_age_s)
+    report.deleted_files = len(report.deleted)
+    report.deleted_bytes = sum(files[fid][0] for fid in report.deleted)
+    if not dry_run:
+        tier.delete_many(report.deleted)  # DeleteObjects: up to 1,000 keys per request
     if not dry_run and logs:
         gone = set(report.deleted)
         kept = "".join(f"{fid}\t{int(t)}\n" for fid, t in read_at.items() if fid in files and fid not in gone)
@@ -86,6 +71,25 @@ def collect(location: S3Location, max_bytes: int | None = None, max_age_s: float
             tier.client.delete_object(Bucket=location.bucket, Key=key)
         report.logs_compacted = len(logs)
     return report
+
+
+def victims(files: dict[str, list], expires_at: dict[str, float], now: float, max_bytes: int | None,
+            max_age_s: float | None) -> list[str]:
+    """What goes: files past their retention time first, then the least recently used while the prefix is over
+    max_bytes or they were not read for max_age_s. files: id → [size, last access]."""
+    out = sorted(fid for fid, at in expires_at.items() if fid in files and at <= now)
+    total = sum(size for size, _ in files.values()) - sum(files[fid][0] for fid in out)
+    expired = set(out)
+    for fid, (size, last) in sorted(files.items(), key=lambda kv: kv[1][1]):
+        if fid in expired:
+            continue
+        too_old = max_age_s is not None and last < now - max_age_s
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            break  # oldest first: every later file is newer, and the total only shrank
+        out.append(fid)
+        total -= size
+    return out
 
 
 def _listing(tier: S3Tier, prefix: str):

@@ -207,20 +207,21 @@ class HotCold:
         return dropped
 
     def set_idle(self, ino: int, seconds: int | None) -> None:
-        row = self.index.get(ino)
-        targets = self.index.tree_files(ino)
-        if row is not None and stat.S_ISDIR(row["mode"]):
-            targets += self.index.tree_dirs(ino)  # directories pass it on to the entries created in them
-        self.index.set_idle_policy(targets, seconds)
+        self.index.set_idle_policy(self._inherited_by(ino), seconds)
         self.mover.wake()
 
     def set_ttl(self, ino: int, seconds: int | None) -> None:
+        self.index.set_ttl(self._inherited_by(ino), seconds)
+        self.mover.wake()
+
+    def _inherited_by(self, ino: int) -> list[int]:
+        """The files of a tree, and for a directory its directories too: they pass a policy on to the entries
+        created in them later."""
         row = self.index.get(ino)
         targets = self.index.tree_files(ino)
         if row is not None and stat.S_ISDIR(row["mode"]):
-            targets += self.index.tree_dirs(ino)  # directories pass it on to the entries created in them
-        self.index.set_ttl(targets, seconds)
-        self.mover.wake()
+            targets += self.index.tree_dirs(ino)
+        return targets
 
     # -- reads -------------------------------------------------------------------------------------------
     def read(self, ino: int, name: bytes) -> bytes | None:
