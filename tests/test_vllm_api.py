@@ -237,6 +237,21 @@ def test_chunk_names_follow_the_cache_salt(configs):
     assert paths("tenant-a") == a
     assert not {*plain} & {*a} and not {*a} & {*b} and not {*plain} & {*b}
 
+    # the block record (kvfs's KV events) describes the blocks as vLLM's BlockStored does: the salt is the
+    # first block's extra key, and no later block has one
+    from kvfs.events import parse_record
+
+    def record(salt, chunk):
+        req = Request(f"r-{salt}", prompt, SamplingParams(max_tokens=4), None, cache_salt=salt,
+                      block_hasher=get_request_block_hasher(BS, hash_fn))
+        return parse_record(conn.planner.block_record(req, chunk))
+
+    first = record("tenant-a", 0)
+    assert first.extra_keys is not None and tuple(first.extra_keys[0]) == ("tenant-a",)
+    assert all(k is None for k in first.extra_keys[1:])
+    assert record("tenant-a", 1).extra_keys is None and record(None, 0).extra_keys is None
+    assert first.token_ids == prompt[:len(first.token_ids)] and len(first.block_hashes) * BS == len(first.token_ids)
+
     # tenant_dirs: a salted request's chunks under a directory of its tenant, whose name hides the salt
     from kvfs_connector.naming import tenant_dir
 

@@ -157,6 +157,19 @@ def worker_rank() -> int:
     return parallel_state.get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
 
 
+def event_extra_keys(request, start: int, end: int, block_size: int) -> list | None:
+    """The extra keys of the blocks [start, end) as vLLM's BlockStored publishes them (the cache salt on the
+    first block, LoRA names, multimodal identifiers), so kvfs's events describe a block as the engine's do.
+    0.32-0.34: kv_cache_utils.generate_block_hash_extra_keys and to_event_extra_keys."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    keys, mm_idx = [], 0
+    for block_start in range(start, end, block_size):
+        extra, mm_idx = generate_block_hash_extra_keys(request, block_start, block_start + block_size, mm_idx)
+        keys.append(extra)
+    return to_event_extra_keys(keys) if any(k is not None for k in keys) else None
+
+
 def external_block_hash(block_hash: bytes) -> bytes | int:
     """A block hash as vLLM's KV events publish it (bytes, or an int under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES):
     a router then finds kvfs's blocks under the names the engine's own events gave them. 0.32-0.34:

@@ -208,11 +208,13 @@ class Planner:
         first, end = chunk * self.chunk_size // per_hash, (chunk + 1) * self.chunk_size // per_hash
         hashes = request.block_hashes
         lora = getattr(request, "lora_request", None)
+        start = chunk * self.chunk_size
         return encode_record(BlockRecord(
             block_hashes=[compat.external_block_hash(h) for h in hashes[first:end]],
             parent_block_hash=compat.external_block_hash(hashes[first - 1]) if first else None,
-            token_ids=list(request.all_token_ids[chunk * self.chunk_size:(chunk + 1) * self.chunk_size]),
-            block_size=per_hash, lora_name=lora.name if lora is not None else None))
+            token_ids=list(request.all_token_ids[start:start + self.chunk_size]),
+            block_size=per_hash, lora_name=lora.name if lora is not None else None,
+            extra_keys=compat.event_extra_keys(request, start, start + self.chunk_size, per_hash)))
 
     def _prefetch(self, request, chunks: int) -> None:
         """Chunks a request will load go to kvfs's fastest tier in the background: a request waiting for
