@@ -257,7 +257,11 @@ class Publisher:
             self.dropped += 1
 
     def close(self, timeout: float = 2.0) -> None:
-        self._queue.put(None)
+        """Send what is queued (for up to `timeout`), then close the sockets."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass  # the thread is stuck or gone: what is queued is lost with the process anyway
         self._thread.join(timeout)
         self._ctx.destroy(linger=0)
 
@@ -275,7 +279,12 @@ class Publisher:
                 continue
             if batch is None:
                 return
-            payload = _encoder.encode(batch)
+            try:
+                payload = _encoder.encode(batch)
+            except Exception:  # noqa: BLE001 - one bad batch must not end the thread
+                log.exception("a KV event batch could not be encoded; dropped")
+                self.dropped += 1
+                continue
             seq = self._seq
             self._seq += 1
             try:
