@@ -340,7 +340,7 @@ def test_saves_are_shed_while_the_mover_is_behind_and_loads_go_on(make_mount, ce
     filler = threading.Thread(target=_fill, args=(m.path("fill"), 24), daemon=True)
     try:
         filler.start()  # blocks in write() once L2 and L3 are full: the mover cannot move to L4
-        wait_for(lambda: m.stats()["mover"]["congested"] == 1, timeout=30, what="congestion")
+        wait_for(lambda: _stuck(m), timeout=30, what="L2 and L3 full, a writer waiting: congestion")
         assert os.getxattr(m.mountpoint, "user.kvfs.congested") == b"1"
         shed = SaveSpec("r", [spec.paths[0].replace("ab01", "ab02")], 8, 8, spec.token_digest, [1, 3])
         w.save([shed])
@@ -358,13 +358,22 @@ def test_saves_are_shed_while_the_mover_is_behind_and_loads_go_on(make_mount, ce
             assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))
     finally:
         ceph.resume_rgw()
-    filler.join(120)
+        filler.join(120)
     wait_for(lambda: m.stats()["mover"]["congested"] == 0, timeout=60, what="the mover to catch up")
     time.sleep(files.CONGESTION_RECHECK_S)
     w.save([shed])
     w.flush(10)
     assert w.stats["saved_chunks"] == 2 and os.path.exists(shed.paths[0])
     w.shutdown()
+
+
+def _stuck(m) -> bool:
+    """Congested for good while the store is paused: L3 is full (its moves to L4 hang) and a writer waits for
+    L2 room that only those moves can make. Before that, congestion comes and goes as L2 drains into L3."""
+    s = m.stats()
+    l3 = s["tiers"]["L3"]
+    return s["mover"]["congested"] == 1 and s["mover"]["writers_waiting"] >= 1 and \
+        l3["used_bytes"] + (1 << 20) > l3["capacity_bytes"]  # no room for another of the filler's files
 
 
 def _fill(directory, n: int, size: int = 1 << 20) -> None:

@@ -164,9 +164,12 @@ def event_extra_keys(request, start: int, end: int, block_size: int) -> list | N
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
     keys, mm_idx = [], 0
-    for block_start in range(start, end, block_size):
-        extra, mm_idx = generate_block_hash_extra_keys(request, block_start, block_start + block_size, mm_idx)
-        keys.append(extra)
+    try:
+        for block_start in range(start, end, block_size):
+            extra, mm_idx = generate_block_hash_extra_keys(request, block_start, block_start + block_size, mm_idx)
+            keys.append(extra)
+    except AttributeError:  # not a vLLM Request (a stand-in): its blocks are announced without extra keys
+        return None
     return to_event_extra_keys(keys) if any(k is not None for k in keys) else None
 
 
