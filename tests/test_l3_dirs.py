@@ -81,6 +81,14 @@ def write_and_demote(m: KvfsMount, names: list[str]) -> None:
         assert tier_of(m.path(name)) == "L3"
 
 
+def spread_over(m: KvfsMount, a: Path, b: Path) -> tuple[KvfsMount, list[str], dict[str, Path]]:
+    """A mount with L3 over a and b (24M each), 16 files demoted there, and where each one lies."""
+    m = start(m, (a, "24M"), (b, "24M"))
+    names = [f"f{i:02d}" for i in range(16)]
+    write_and_demote(m, names)
+    return m, names, where(m, [a, b], names)
+
+
 def directories(m: KvfsMount) -> dict[str, dict]:
     return {d["path"]: d for d in m.stats()["tiers"]["L3"]["directories"]}
 
@@ -194,10 +202,7 @@ def test_a_directory_failing_with_eio_takes_only_its_files(filesystems, make_mou
     its files unchecked (not dropped). After a restart a is unusable from the start: its files are misses."""
     a = filesystems("ext4", tmp_path / "ssd-a", "32M")
     b = filesystems("tmpfs", tmp_path / "ssd-b", "32M")
-    m = start(make_mount(), (a, "24M"), (b, "24M"))
-    names = [f"f{i:02d}" for i in range(16)]
-    write_and_demote(m, names)
-    placed = where(m, [a, b], names)
+    m, names, placed = spread_over(make_mount(), a, b)
     on_a = [n for n in names if placed[n] == a]
     on_b = [n for n in names if placed[n] == b]
     assert on_a and on_b, placed
@@ -238,10 +243,7 @@ def test_a_directory_that_answers_again_comes_back(filesystems, make_mount, tmp_
     period its files read bit-exact again, and the deletion asked while it was down is done."""
     a = filesystems("ext4", tmp_path / "ssd-a", "32M")
     b = tmp_path / "ssd-b"
-    m = start(make_mount(), (a, "24M"), (b, "24M"))
-    names = [f"f{i:02d}" for i in range(16)]
-    write_and_demote(m, names)
-    placed = where(m, [a, b], names)
+    m, names, placed = spread_over(make_mount(), a, b)
     on_a = [n for n in names if placed[n] == a]
     assert len(on_a) >= 2, placed
     gone = {o for o in objects_in(a) if o.startswith(f"{os.stat(m.path(on_a[0])).st_ino:x}-")}
@@ -280,10 +282,7 @@ def test_a_directory_unmounted_under_the_mount(filesystems, make_mount, tmp_path
     none lands in the directory beneath."""
     a = filesystems("tmpfs", tmp_path / "ssd-a", "32M")
     b = filesystems("tmpfs", tmp_path / "ssd-b", "32M")
-    m = start(make_mount(), (a, "24M"), (b, "24M"))
-    names = [f"f{i:02d}" for i in range(16)]
-    write_and_demote(m, names)
-    placed = where(m, [a, b], names)
+    m, names, placed = spread_over(make_mount(), a, b)
     assert set(placed.values()) == {a, b}, placed
     subprocess.run(["umount", "-l", str(b)], check=True)
     for name in names:

@@ -49,6 +49,7 @@ REPO = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 sys.path.insert(0, str(REPO / "connector"))
 import fleet as fleetlib  # noqa: E402
+from bench_l4 import drop_page_cache  # noqa: E402
 from ceph_cluster import BUCKET, CephCluster  # noqa: E402
 
 from kvfs import direct  # noqa: E402
@@ -118,14 +119,6 @@ class Node:
             time.sleep(0.05)
 
 
-def drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def wait_tier(path: Path, tier: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while os.getxattr(path, "user.kvfs.tier").decode() != tier:
@@ -163,18 +156,18 @@ def one_round(r: int, a: Node, b: Node, chunks: list[fleetlib.Chunk], out: dict[
     b.published += len(names)
     for how, ch, rel in names:
         os.setxattr(b.path("local-" + rel), "user.kvfs.tier", b"L3")  # returns once the object is there
-        drop_pages(b.path("local-" + rel))
+        drop_page_cache(b.path("local-" + rel))
         os.stat(b.path("cross-" + rel).parent)  # the directory is known, the file is not
     for obj in b.l3.rglob("*"):
         if obj.is_file():
-            drop_pages(obj)
+            drop_page_cache(obj)
     before = b.requests()
     for how, ch, rel in names:
         arms = [("cross-node", "cross-"), ("local L3", "local-")]
         for arm, tag in arms if r % 2 == 0 else arms[::-1]:
             out[f"{arm} ({how})"].append(timed_read(b.path(tag + rel), how, ch.data))
         wait_tier(b.path("local-" + rel), "L2")  # the read promoted it
-        drop_pages(b.path("local-" + rel))
+        drop_page_cache(b.path("local-" + rel))
         out[f"local L2 ({how})"].append(timed_read(b.path("local-" + rel), how, ch.data))
     requests["B, reading"] += b.requests() - before
 
