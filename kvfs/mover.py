@@ -46,7 +46,6 @@ from .stats import Counters
 from .store import ObjectRef, Store, credit_for
 from .tiers import Tier
 from . import events
-from .events import XA_BLOCKS
 from .tiers.s3 import encode_xattrs, travels
 
 log = logging.getLogger(__name__)
@@ -453,8 +452,8 @@ class Mover:
         """What a published file carries to other nodes: its mode, retention time and user attributes."""
         xattrs = self._user_xattrs(row["id"])
         travelling = encode_xattrs(xattrs)
-        if not travelling and any(n == XA_BLOCKS for n, _ in xattrs):  # too big: the record without its tokens
-            travelling = encode_xattrs([(n, events.without_tokens(v) if n == XA_BLOCKS else v) for n, v in xattrs])
+        if not travelling and any(n == events.XA_BLOCKS for n, _ in xattrs):  # too big: the record without its tokens
+            travelling = encode_xattrs([(n, events.without_tokens(v) if n == events.XA_BLOCKS else v) for n, v in xattrs])
         meta = {"kvfs-mode": oct(row["mode"]), **travelling}
         if row["ttl_s"]:
             meta["kvfs-ttl"] = str(row["ttl_s"])
