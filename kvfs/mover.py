@@ -453,7 +453,8 @@ class Mover:
         xattrs = self._user_xattrs(row["id"])
         travelling = encode_xattrs(xattrs)
         if not travelling and any(n == events.XA_BLOCKS for n, _ in xattrs):  # too big: the record without its tokens
-            travelling = encode_xattrs([(n, events.without_tokens(v) if n == events.XA_BLOCKS else v) for n, v in xattrs])
+            travelling = encode_xattrs([(n, events.without_tokens(v) if n == events.XA_BLOCKS else v)
+                                        for n, v in xattrs])
         meta = {"kvfs-mode": oct(row["mode"]), **travelling}
         if row["ttl_s"]:
             meta["kvfs-ttl"] = str(row["ttl_s"])
