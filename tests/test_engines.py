@@ -120,7 +120,7 @@ def test_vllm_offloading_fs_tier_is_refused_by_a_cpu_engine(kvfs, tmp_path):
         pytest.fail("the test model is missing: run tools/install_vllm.sh")
     job = {"model": str(MODEL), "max_model_len": 1024, "max_num_batched_tokens": 256,
            "connector": offloading_connector(kvfs.path("vllm-fs")),
-           "rounds": [{"prompts": [list(range(1, 300))], "max_tokens": 2}]}
+           "rounds": [{"prompts": [list(range(1, 300))], "max_tokens": 2}], "in_process": True}
     with pytest.raises(vllm_driver.EngineFailed) as failed:
         vllm_driver.spawn(job, tmp_path / "engine.log", timeout=300, env={"PYTHONHASHSEED": "0"})
     assert CPU_REFUSAL in str(failed.value)
