@@ -13,6 +13,10 @@ directory. The daemon's part is metadata and a check, never an encode:
    ENOSPC, as for any commit), rename it into the tier (or copy it into a slower one);
 3. one index transaction names the inode, points it at the object and drops the file the name had.
 
+A batch (several requests in one setxattr, kvfs/staging.py) goes through the same steps together: every
+object verified and moved in one worker hop per tier, every name in one index transaction. It is adopted
+whole or not at all: a refused member refuses the batch, and the writer retries its files one by one.
+
 A crash anywhere leaves a staged file (removed once abandoned: kvfs/staging.py), or an object with an
 nlink-0 row, both removed by reconcile at the next start: never a partial file under a name.
 """
@@ -26,6 +30,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,7 +45,7 @@ from .codecs import transforms
 from .direct import read_head
 from .index import object_id
 from .openfile import summary_codec
-from .staging import AdoptRequest, Offer, crash_point
+from .staging import AdoptRequest, Offer, crash_point, decode_batch
 from .store import ObjectRef, Layout
 from .tiers import DirectoryTier, Tier
 
@@ -100,16 +105,34 @@ def open_staged(path: Path, uid: int) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def verify_and_place(fd: int, size: int, frame_size: int, decode: bool,
-                     place: "Callable[[], None]") -> Verified:
-    """Verify the staged object open as fd (AdoptRefused EBADMSG when it fails), then run `place` (the move
-    into its tier), in one worker-thread hop."""
-    try:
-        verified = _verify_object(fd, size, frame_size, decode)
-    except fmt.CorruptObject as e:
-        raise AdoptRefused(errno.EBADMSG, f"staged object refused: {e}") from None
-    place()
-    return verified
+@dataclasses.dataclass
+class Adoption:
+    """One file of an adopt request, as it goes through the steps."""
+
+    req: AdoptRequest
+    staged: Path
+    xattrs: list[tuple[bytes, bytes]] = dataclasses.field(default_factory=list)
+    fd: int = -1
+    size: int = 0
+    mode: int = 0
+    gid: int = 0
+    ino: int = 0  # reserved inode, 0 until then
+    placed: Tier | None = None
+    move: "Callable[[], None] | None" = None  # into the placed tier, once verified
+    verified: Verified | None = None
+    replaced: int | None = None  # the inode the name pointed at
+
+
+def verify_and_move(files: list[Adoption], frame_size: int, decode: bool) -> None:
+    """Verify every staged object (AdoptRefused EBADMSG at the first that fails), then move each into its
+    tier: one worker-thread hop for the lot."""
+    for f in files:
+        try:
+            f.verified = _verify_object(f.fd, f.size, frame_size, decode)
+        except fmt.CorruptObject as e:
+            raise AdoptRefused(errno.EBADMSG, f"staged object {f.req.staged} refused: {e}") from None
+    for f in files:
+        f.move()
 
 
 def _verify_object(fd: int, size: int, frame_size: int, decode: bool) -> Verified:
@@ -144,31 +167,51 @@ def _check_layout(header: fmt.Header, entries: list[fmt.FrameEntry], size: int) 
 
 
 def _check_payloads(fd: int, size: int, entries: list[fmt.FrameEntry], decode: bool) -> None:
-    """Every payload's xxh3 (and with decode, its raw xxh3 after decoding), hashed where the page cache
-    holds it: a mapping, no copy."""
+    """Every payload's xxh3, read into a reused buffer (cheaper than faulting in a mapping); with decode,
+    each frame also decoded through a mapping and its raw xxh3 checked."""
     if size == 0:
         return
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-        problem = _first_bad_payload(mapped, entries, decode)
+    if decode:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+            problem = _first_bad_frame(mapped, entries)
+    else:
+        problem = _first_bad_payload(fd, entries)
     if problem:
         raise fmt.CorruptObject(problem)
 
 
-def _first_bad_payload(mapped: mmap.mmap, entries: list[fmt.FrameEntry], decode: bool) -> str | None:
-    """What is wrong with the first bad payload, or None. Every view of the mapping is released on return
-    (the mapping cannot close while one is exported)."""
+_buffers = threading.local()  # one read buffer per worker thread
+
+
+def _first_bad_payload(fd: int, entries: list[fmt.FrameEntry]) -> str | None:
+    longest = max((e.stored_len for e in entries), default=0)
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < longest:
+        buf = _buffers.buf = bytearray(longest)
+    with memoryview(buf) as view:
+        for i, e in enumerate(entries):
+            if e.is_hole:
+                continue
+            with view[:e.stored_len] as payload:
+                if os.preadv(fd, [payload], e.offset) != e.stored_len:
+                    return f"frame {i}: short read"
+                if fmt.xxh3(payload) != e.stored_xxh3:
+                    return f"frame {i}: payload checksum mismatch"
+    return None
+
+
+def _first_bad_frame(mapped: mmap.mmap, entries: list[fmt.FrameEntry]) -> str | None:
+    """What is wrong with the first frame that does not decode to its raw checksum, or None. Every view of
+    the mapping is released on return (the mapping cannot close while one is exported)."""
     with memoryview(mapped) as view:
         for i, e in enumerate(entries):
             if e.is_hole:
                 continue
             with view[e.offset:e.offset + e.stored_len] as payload:
-                if decode:
-                    try:
-                        fmt.decode_frame(e, payload)  # payload and raw checksums
-                    except fmt.CorruptObject as err:
-                        return f"frame {i}: {err}"
-                elif fmt.xxh3(payload) != e.stored_xxh3:
-                    return f"frame {i}: payload checksum mismatch"
+                try:
+                    fmt.decode_frame(e, payload)  # payload and raw checksums
+                except fmt.CorruptObject as err:
+                    return f"frame {i}: {err}"
     return None
 
 
@@ -218,68 +261,85 @@ class Adopter:
         if tier is None:
             raise AdoptRefused(errno.EOPNOTSUPP, "this mount offers no direct writes")
         try:
-            req = AdoptRequest.decode(value)
+            files = [Adoption(req, tier.staging_dir / req.staged) for req in decode_batch(value)]
         except (ValueError, UnicodeDecodeError) as e:
             raise AdoptRefused(errno.EINVAL, f"malformed adopt request: {e}") from None
-        staged = tier.staging_dir / req.staged
         try:
-            await self._adopt(parent, req, staged, tier, ctx)
+            await self._adopt(parent, files, tier, ctx)
         except BaseException:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_unlink_quietly, staged)
+                await trio.to_thread.run_sync(_unlink_quietly, *[f.staged for f in files])
             raise
 
-    async def _adopt(self, parent: int, req: AdoptRequest, staged: Path, tier: DirectoryTier, ctx) -> None:
-        """Reserve an inode and room, then verify and move the object in one worker-thread hop, then name it."""
+    async def _adopt(self, parent: int, files: list[Adoption], tier: DirectoryTier, ctx) -> None:
+        """Reserve inodes and room, then verify and move the objects in a worker-thread hop, then name them."""
         ops = self.ops
-        if req.shed and ops.mover.congested():  # back-pressure: a save the writer can do without
-            ops.counters.saves_shed += 1
+        if any(f.req.shed for f in files) and ops.mover.congested():  # back-pressure: saves it can do without
+            ops.counters.saves_shed += len(files)
             raise Shed()
-        xattrs = self._checked_xattrs(req.xattrs)
-        self._check_directory(parent, req.name)
         if ops.store.tenants.of_inode(ops.index, parent) is not None:
             raise AdoptRefused(errno.EOPNOTSUPP, "a tenant directory: its files are sealed with the tenant's key")
-        self._target(parent, req)  # refuse early what the final check would refuse
-        fd, size = open_staged(staged, ctx.uid)
+        for f in files:
+            f.xattrs = self._checked_xattrs(f.req.xattrs)
+            self._check_directory(parent, f.req.name)
+            self._target(parent, f.req)  # refuse early what the final check would refuse
         try:
-            mode, gid = ops._new_owner(parent, stat.S_IFREG | (req.mode & 0o7777), ctx)
-            ino = self._reserved_inode()
-            crash_point("adopt-reserved")
-            placed: Tier | None = None
-            try:
-                placed = await ops.mover.place(size, None, False)
-                if placed.sealed:  # L2 full, and the tier below seals: the writer's plain object cannot go there
-                    raise AdoptRefused(errno.EOPNOTSUPP, f"{placed.name} holds sealed objects only")
-                oid = object_id(ino, 1)
-                if placed is tier:
-                    move = functools.partial(tier.adopt_staged, staged, oid)
-                else:
-                    move = functools.partial(_put_from_staged, placed, staged, oid, size)
-                verified = await ops.store.io(placed.name, verify_and_place, fd, size, self.config.frame_size,
-                                              self.config.adopt_verify == "decode", move, size=size)
-                crash_point("adopt-placed")
-                replaced = self._target(parent, req)  # again: the name may have changed while we waited
-                ops.index.adopt_object(ino, parent, req.name, replaced, mode=mode, uid=ctx.uid, gid=gid,
-                                       tier=placed.name,
-                                       size=verified.header.raw_size, stored_bytes=size,
-                                       codec=summary_codec(verified.entries),
-                                       transform=transforms.NAMES[verified.header.transform], xattrs=xattrs)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await self._undo(ino, placed, size)
-                raise
+            for f in files:
+                f.fd, f.size = open_staged(f.staged, ctx.uid)
+            await self._place_and_name(parent, files, tier, ctx)
         finally:
-            os.close(fd)
+            for f in files:
+                if f.fd >= 0:
+                    os.close(f.fd)
         crash_point("adopt-named")
-        ref = ObjectRef(ino, 1, placed.name, size)
-        ops.store.keep_layout(ref, Layout(verified.header, verified.entries))
+        for f in files:
+            await self._named(parent, f)
+
+    async def _place_and_name(self, parent: int, files: list[Adoption], tier: DirectoryTier, ctx) -> None:
+        ops = self.ops
+        try:
+            for f in files:
+                f.mode, f.gid = ops._new_owner(parent, stat.S_IFREG | (f.req.mode & 0o7777), ctx)
+                f.ino = self._reserved_inode()
+            crash_point("adopt-reserved")
+            for f in files:
+                f.placed = await ops.mover.place(f.size, None, False)
+                if f.placed.sealed:  # L2 full, and the tier below seals: a writer's plain object cannot go there
+                    raise AdoptRefused(errno.EOPNOTSUPP, f"{f.placed.name} holds sealed objects only")
+                oid = object_id(f.ino, 1)
+                f.move = (functools.partial(tier.adopt_staged, f.staged, oid) if f.placed is tier
+                          else functools.partial(_put_from_staged, f.placed, f.staged, oid, f.size))
+            for placed, group in _by_tier(files):
+                await ops.store.io(placed.name, verify_and_move, group, self.config.frame_size,
+                                   self.config.adopt_verify == "decode", size=sum(f.size for f in group))
+            crash_point("adopt-placed")
+            for f in files:  # again: a name may have changed while we waited
+                f.replaced = self._target(parent, f.req)
+            ops.index.adopt_objects([
+                dict(ino=f.ino, parent=parent, name=f.req.name, replaced=f.replaced, mode=f.mode, uid=ctx.uid,
+                     gid=f.gid, tier=f.placed.name, size=f.verified.header.raw_size, stored_bytes=f.size,
+                     codec=summary_codec(f.verified.entries),
+                     transform=transforms.NAMES[f.verified.header.transform], xattrs=f.xattrs)
+                for f in files])
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for f in files:
+                    if f.ino:
+                        await self._undo(f.ino, f.placed, f.size)
+            raise
+
+    async def _named(self, parent: int, f: Adoption) -> None:
+        """What follows an adopted file's naming: its layout cached, counters, the name it replaced, hot/cold
+        requests."""
+        ops = self.ops
+        ops.store.keep_layout(ObjectRef(f.ino, 1, f.placed.name, f.size), Layout(f.verified.header, f.verified.entries))
         ops.counters.direct_writes += 1
-        ops.counters.direct_write_bytes += verified.header.raw_size
-        if replaced is not None:
-            await ops.forget_names(replaced, [(parent, req.name)])
-            await ops._maybe_delete(replaced)
-        ops.mover.publish_later(ino)
-        await self._requests(ino, req.xattrs)
+        ops.counters.direct_write_bytes += f.verified.header.raw_size
+        if f.replaced is not None:
+            await ops.forget_names(f.replaced, [(parent, f.req.name)])
+            await ops._maybe_delete(f.replaced)
+        ops.mover.publish_later(f.ino)
+        await self._requests(f.ino, f.req.xattrs)
 
     async def _undo(self, ino: int, placed: Tier | None, size: int) -> None:
         """An adoption that did not complete: its inode and, once placed, its charge and object go."""
@@ -395,8 +455,16 @@ def _remove_abandoned(tier: DirectoryTier) -> int:
     return removed
 
 
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _by_tier(files: list[Adoption]) -> list[tuple[Tier, list[Adoption]]]:
+    groups: dict[str, tuple[Tier, list[Adoption]]] = {}
+    for f in files:
+        groups.setdefault(f.placed.name, (f.placed, []))[1].append(f)
+    return list(groups.values())
+
+
+def _unlink_quietly(*paths: Path) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -30,7 +30,8 @@ import numpy as np
 
 from . import format as fmt
 from .codecs import kernel
-from .direct_write import write_file, write_through_mount  # noqa: F401  (writes: the mirror of these reads)
+# writes: the mirror of these reads
+from .direct_write import FileToWrite, write_file, write_files, write_through_mount  # noqa: F401
 
 XA_OBJECT = "user.kvfs.object"
 VALUE_MAX = 4096

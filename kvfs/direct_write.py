@@ -14,6 +14,7 @@ is written through the mount instead, under a temporary name renamed into place,
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import errno
 import os
 import threading
@@ -24,7 +25,8 @@ from . import codecs
 from . import format as fmt
 from . import lossy as lossy_modes
 from .openfile import EncodingPolicy
-from .staging import XA_ADOPT, XA_STAGING, AdoptRequest, Offer, crash_point, staged_name
+from .staging import (MAX_BATCH, XA_ADOPT, XA_STAGING, XATTR_SIZE_MAX, AdoptRequest, Offer, crash_point,
+                      staged_name)
 
 XA_DTYPE = "user.kvfs.dtype"
 XA_SHAPE = "user.kvfs.shape"
@@ -53,35 +55,127 @@ def write_file(path: str | os.PathLike, data: Buffer | Sequence[Buffer], *, dtyp
     without: while the mount's mover is behind (user.kvfs.congested) the adoption is refused with EBUSY
     instead of waiting for room, and nothing is written.
     Raises OSError as a write through the mount would (ENOSPC when no tier has room, …)."""
-    path = os.fspath(path)
-    parts = [memoryview(p).cast("B") for p in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data)]
-    attrs = {k: bytes(v) for k, v in (xattrs or {}).items()}
-    if dtype is not None:
-        attrs[XA_DTYPE] = dtype.encode()
-    if shape is not None:
-        attrs[XA_SHAPE] = shape.encode() if isinstance(shape, str) else bytes(shape)
-    mode &= ~_umask() & 0o7777
-    directory, name = os.path.split(os.path.abspath(path))
-    offer = staging_offer(directory) if any(len(p) for p in parts) else None  # an empty file has no object
+    f = _prepare(FileToWrite(path, data, dtype, shape, xattrs, mode, exclusive))
+    offer = staging_offer(f.directory) if f.size else None  # an empty file has no object
     if offer is not None:
-        staged = _stage(offer, parts, attrs, threads)
-        if staged is None and (offer := staging_offer(directory, fresh=True)) is not None:
-            staged = _stage(offer, parts, attrs, threads)  # the offer may have changed (a remount)
+        staged = _stage(offer, f.parts, f.attrs, threads)
+        if staged is None and (offer := staging_offer(f.directory, fresh=True)) is not None:
+            staged = _stage(offer, f.parts, f.attrs, threads)  # the offer may have changed (a remount)
         if staged is not None:
-            request = AdoptRequest(os.path.basename(staged), os.fsencode(name), mode, exclusive,
-                                   tuple((k.encode(), v) for k, v in attrs.items()), shed)
             crash_point("writer-staged")
             try:
-                os.setxattr(directory, XA_ADOPT, request.encode())
+                os.setxattr(f.directory, XA_ADOPT, f.request(staged, shed).encode())
                 return True
             except OSError as e:
                 _unlink_quietly(staged)
-                if e.errno == errno.EEXIST:
-                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path) from None
-                if e.errno not in _NOT_OFFERED | {errno.EACCES, errno.EPERM}:
-                    raise OSError(e.errno, f"adopting the staged object: {e.strerror}", path) from None
-    write_through_mount(path, parts, attrs, mode, exclusive)
+                _raise_unless_not_offered(e, f.path)
+    write_through_mount(f.path, f.parts, f.attrs, f.mode, f.exclusive)
     return False
+
+
+@dataclasses.dataclass
+class FileToWrite:
+    """One file for write_files: what write_file takes for it."""
+
+    path: str | os.PathLike
+    data: Buffer | Sequence[Buffer]
+    dtype: str | None = None
+    shape: str | bytes | None = None
+    xattrs: Mapping[str, bytes] | None = None
+    mode: int = 0o666
+    exclusive: bool = False
+
+
+def write_files(files: Sequence[FileToWrite], *, threads: int = 1,
+                shed: bool = False) -> list[bool | OSError]:
+    """Write several whole files, each atomically, as write_file would, with one adoption request per
+    directory (up to MAX_BATCH files, one daemon request and one index transaction) instead of one per file.
+    Returns what write_file would for each file, in order: True (past FUSE), False (through the mount), or
+    the OSError it would have raised (FileExistsError, EBUSY when shed, ENOSPC, …). The daemon adopts a batch
+    whole or not at all; a batch it refuses is written again file by file, so each file gets its own answer."""
+    prepared = [_prepare(f) for f in files]
+    results: list[bool | OSError | None] = [None] * len(files)
+    by_directory: dict[str, list[int]] = {}
+    for i, f in enumerate(prepared):
+        if f.size:  # an empty file has no object: write_file, below
+            by_directory.setdefault(f.directory, []).append(i)
+    for directory, indices in by_directory.items():
+        offer = staging_offer(directory)
+        staged = [(i, path) for i in indices if offer is not None
+                  and (path := _stage(offer, prepared[i].parts, prepared[i].attrs, threads)) is not None]
+        for batch in _batches([(i, path, prepared[i].request(path, shed).encode()) for i, path in staged]):
+            crash_point("writer-staged")
+            try:
+                os.setxattr(directory, XA_ADOPT, b"\n\n".join(request for _, _, request in batch))
+                for i, _, _ in batch:
+                    results[i] = True
+            except OSError as e:
+                _unlink_quietly(*(path for _, path, _ in batch))
+                if e.errno == errno.EBUSY and shed:  # shed: the whole batch, as it would be file by file
+                    for i, _, _ in batch:
+                        results[i] = OSError(errno.EBUSY, os.strerror(errno.EBUSY), prepared[i].path)
+    for i, f in enumerate(files):
+        if results[i] is None:  # not offered, not staged here, or in a refused batch: alone, as write_file
+            try:
+                results[i] = write_file(f.path, f.data, dtype=f.dtype, shape=f.shape, xattrs=f.xattrs,
+                                        mode=f.mode, exclusive=f.exclusive, threads=threads, shed=shed)
+            except OSError as e:
+                results[i] = e
+    return results  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Prepared:
+    path: str
+    directory: str
+    name: str
+    parts: list[memoryview]
+    attrs: dict[str, bytes]
+    mode: int  # after the umask
+    exclusive: bool
+
+    @property
+    def size(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def request(self, staged: str, shed: bool) -> AdoptRequest:
+        return AdoptRequest(os.path.basename(staged), os.fsencode(self.name), self.mode, self.exclusive,
+                            tuple((k.encode(), v) for k, v in self.attrs.items()), shed)
+
+
+def _prepare(f: FileToWrite) -> _Prepared:
+    data = f.data
+    parts = [memoryview(p).cast("B") for p in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data)]
+    attrs = {k: bytes(v) for k, v in (f.xattrs or {}).items()}
+    if f.dtype is not None:
+        attrs[XA_DTYPE] = f.dtype.encode()
+    if f.shape is not None:
+        attrs[XA_SHAPE] = f.shape.encode() if isinstance(f.shape, str) else bytes(f.shape)
+    path = os.fspath(f.path)
+    directory, name = os.path.split(os.path.abspath(path))
+    return _Prepared(path, directory, name, parts, attrs, f.mode & ~_umask() & 0o7777, f.exclusive)
+
+
+def _batches(requests: list[tuple[int, str, bytes]]) -> Iterator[list[tuple[int, str, bytes]]]:
+    """Requests grouped into setxattr values the kernel takes (XATTR_SIZE_MAX) and the daemon allows."""
+    batch: list[tuple[int, str, bytes]] = []
+    size = 0
+    for item in requests:
+        if batch and (size + 2 + len(item[2]) > XATTR_SIZE_MAX or len(batch) == MAX_BATCH):
+            yield batch
+            batch, size = [], 0
+        size += len(item[2]) + (2 if batch else 0)
+        batch.append(item)
+    if batch:
+        yield batch
+
+
+def _raise_unless_not_offered(e: OSError, path: str) -> None:
+    """A refused adoption: raised as the write's error, unless it means "write through the mount"."""
+    if e.errno == errno.EEXIST:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path) from None
+    if e.errno not in _NOT_OFFERED | {errno.EACCES, errno.EPERM}:
+        raise OSError(e.errno, f"adopting the staged object: {e.strerror}", path) from None
 
 
 def staging_offer(directory: str, fresh: bool = False) -> Offer | None:
@@ -295,8 +389,9 @@ def _umask() -> int:
     return 0o022
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _unlink_quietly(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

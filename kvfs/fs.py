@@ -903,6 +903,7 @@ class Operations(pyfuse3.Operations):
         self.index.set_xattr(inode, name, bytes(value))
 
     async def _adopt(self, parent: int, value: bytes, ctx) -> None:
+        self.counters.adopt_requests += 1
         try:
             await self.adopter.adopt(parent, value, ctx)
         except Shed as e:

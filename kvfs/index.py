@@ -527,7 +527,7 @@ class Index:
 
     def reserve_inodes(self, count: int) -> list[int]:
         """Inode ids for direct writes' objects, with no name yet (nlink 0: reconcile deletes them, and an
-        object, if the daemon stops before `adopt_object` names them). Reserved in batches: one transaction
+        object, if the daemon stops before `adopt_objects` names them). Reserved in batches: one transaction
         fewer per adoption."""
         now = time.time_ns()
         with self.transaction():
@@ -536,26 +536,31 @@ class Index:
                 (stat.S_IFREG | 0o600, now, now, now)).lastrowid for _ in range(count)]
         return ids
 
-    def adopt_object(self, ino: int, parent: int, name: bytes, replaced: int | None, *, mode: int, uid: int,
-                     gid: int, tier: str, size: int, stored_bytes: int, codec: str, transform: str,
-                     xattrs: list[tuple[bytes, bytes]]) -> None:
-        """A reserved inode gets its object (generation 1) and its name in one transaction, dropping the file
-        the name pointed at (`replaced`), as rename(2) over it would."""
+    def adopt_objects(self, files: list[dict]) -> None:
+        """Reserved inodes get their objects (generation 1) and their names in one transaction, each dropping
+        the file its name pointed at (`replaced`), as rename(2) over it would. Each dict holds the keyword
+        arguments of `_adopt_row`."""
         now = time.time_ns()
         with self.transaction():
-            if replaced is not None:
-                self.db.execute("DELETE FROM entries WHERE parent = ? AND name = ?", (parent, name))
-                self.db.execute("UPDATE inodes SET nlink = nlink - 1, ctime_ns = ? WHERE id = ?", (now, replaced))
-            self.db.execute(
-                "UPDATE inodes SET mode = ?, uid = ?, gid = ?, nlink = 1, obj_gen = 1, obj_tier = ?, size = ?, "
-                "stored_bytes = ?, codec = ?, transform = ?, atime_ns = ?, mtime_ns = ?, ctime_ns = ?, "
-                "last_access_ns = ?, idle_policy_s = (SELECT idle_policy_s FROM inodes WHERE id = ?), "
-                "ttl_s = (SELECT ttl_s FROM inodes WHERE id = ?) WHERE id = ?",
-                (mode, uid, gid, tier, size, stored_bytes, codec, transform, now, now, now, now, parent, parent, ino))
-            self.db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, ino))
-            self.db.executemany("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?, ?, ?)",
-                                [(ino, k, v) for k, v in xattrs])
-            self._touch_dir(parent, now)
+            for f in files:
+                self._adopt_row(now, **f)
+
+    def _adopt_row(self, now: int, ino: int, parent: int, name: bytes, replaced: int | None, *, mode: int,
+                   uid: int, gid: int, tier: str, size: int, stored_bytes: int, codec: str, transform: str,
+                   xattrs: list[tuple[bytes, bytes]]) -> None:
+        if replaced is not None:
+            self.db.execute("DELETE FROM entries WHERE parent = ? AND name = ?", (parent, name))
+            self.db.execute("UPDATE inodes SET nlink = nlink - 1, ctime_ns = ? WHERE id = ?", (now, replaced))
+        self.db.execute(
+            "UPDATE inodes SET mode = ?, uid = ?, gid = ?, nlink = 1, obj_gen = 1, obj_tier = ?, size = ?, "
+            "stored_bytes = ?, codec = ?, transform = ?, atime_ns = ?, mtime_ns = ?, ctime_ns = ?, "
+            "last_access_ns = ?, idle_policy_s = (SELECT idle_policy_s FROM inodes WHERE id = ?), "
+            "ttl_s = (SELECT ttl_s FROM inodes WHERE id = ?) WHERE id = ?",
+            (mode, uid, gid, tier, size, stored_bytes, codec, transform, now, now, now, now, parent, parent, ino))
+        self.db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, ino))
+        self.db.executemany("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?, ?, ?)",
+                            [(ino, k, v) for k, v in xattrs])
+        self._touch_dir(parent, now)
 
     def move_object(self, ino: int, gen: int, source: str, dest: str, stored_bytes: int | None = None) -> bool:
         """The switch of the move protocol (I6): False when the row no longer names that object. stored_bytes:

@@ -8,7 +8,8 @@ Two extended attributes carry it, both on a directory of the mount:
 - `user.kvfs.staging` (getxattr): the offer, ASCII `1 <frame size> <codec> <dtype> <lossy> <staging path>`
   (the path last: it may hold spaces). No answer (ENODATA) where the mount offers no direct writes.
 - `user.kvfs.adopt` (setxattr): the request, lines of `key value` (see `AdoptRequest`), names in hex because
-  file names and xattr values are arbitrary bytes.
+  file names and xattr values are arbitrary bytes. Several requests separated by an empty line are a batch,
+  adopted all together or not at all (one index transaction; `encode_batch`).
 
 Staged files are named `<writer pid>.<32 hex digits>.kvobj`; one whose writer has exited (or that is older
 than STAGED_MAX_AGE_S) is abandoned: reconcile, the daemon's sweep and `kvfs fsck` remove it.
@@ -30,6 +31,8 @@ STAGED_NAME = re.compile(r"(?P<pid>[0-9]{1,10})\.[0-9a-f]{32}\.kvobj")
 STAGED_DEAD_GRACE_S = 60.0  # a staged file of an exited writer is kept this long (pids of other namespaces)
 STAGED_MAX_AGE_S = 3600.0  # whatever its writer, a staged file older than this is abandoned
 MAX_XATTRS = 16
+MAX_BATCH = 256  # requests in one setxattr; the value's own bound is XATTR_SIZE_MAX
+XATTR_SIZE_MAX = 64 << 10  # Linux's bound on one extended attribute value
 _CRASH_AT = os.environ.get("KVFS_CRASH_AT")  # tests only: the step at which this process kills itself (-9)
 
 
@@ -107,6 +110,22 @@ class AdoptRequest:
             raise ValueError("bad shed flag")
         return cls(fields["staged"], bytes.fromhex(fields["name"]), mode, fields["exclusive"] == "1",
                    tuple(xattrs), fields.get("shed") == "1")
+
+
+def encode_batch(requests: "list[AdoptRequest]") -> bytes:
+    """One setxattr value adopting all of `requests` (files of one directory) together."""
+    return b"\n\n".join(r.encode() for r in requests)
+
+
+def decode_batch(value: bytes) -> "list[AdoptRequest]":
+    """The requests of a batch (one, for a single request). ValueError when one is malformed, when there are
+    too many, or when two name the same file or staged object."""
+    requests = [AdoptRequest.decode(part) for part in bytes(value).split(b"\n\n")]
+    if len(requests) > MAX_BATCH:
+        raise ValueError(f"{len(requests)} requests in one batch, at most {MAX_BATCH}")
+    if len({r.name for r in requests}) != len(requests) or len({r.staged for r in requests}) != len(requests):
+        raise ValueError("two requests of the batch name the same file or staged object")
+    return requests
 
 
 def staged_name(pid: int | None = None) -> str:

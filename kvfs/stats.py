@@ -33,6 +33,7 @@ class Counters:
     direct_bytes: int = 0  # their logical bytes
     direct_writes: int = 0  # files whose object a writer encoded and staged, adopted by the daemon (kvfs.direct)
     direct_write_bytes: int = 0  # their logical bytes
+    adopt_requests: int = 0  # user.kvfs.adopt requests (a batch of files is one: kvfs.direct.write_files)
     adopt_refusals: int = 0  # adopt requests refused (bad object or request, no room: the log says why)
     staged_abandoned: int = 0  # staged objects removed because their writers were gone
     commits: int = 0  # objects committed (flush/fsync with changes)

@@ -77,8 +77,8 @@ def test_worker_copies_out_before_returning_so_reused_blocks_cannot_leak(tmp_pat
     w, caches, spec, _ = _worker(tmp_path, case)
     original = [c.clone() for c in caches]
     gate = threading.Event()
-    real_write = files.write_atomic
-    monkeypatch.setattr(files, "write_atomic", lambda *a, **k: gate.wait(10) and real_write(*a, **k))
+    real_write = files.write_atomic_many
+    monkeypatch.setattr(files, "write_atomic_many", lambda *a, **k: gate.wait(10) and real_write(*a, **k))
     w.save([spec])
     for c in caches:  # vLLM hands blocks 5 and 2 to another request before the writer ran
         c.fill_(7.0)  # (on a GPU: queued on the forward stream, after the wait for the save's gathers)
@@ -287,6 +287,29 @@ def test_worker_saves_into_a_kvfs_mount_past_fuse_by_default(make_mount, direct_
     w.save([spec])  # exists: skipped
     w.flush(10)
     assert w.stats["saves_existing"] == 1
+    w.shutdown()
+
+
+def test_a_steps_saves_are_adopted_together(make_mount):
+    """Six chunks saved in one step by two writer threads: kvfs adopts each thread's chunks in one request
+    (kvfs.direct.write_files), and every chunk loads back into its blocks exactly."""
+    m = make_mount().start()
+    w, caches, _, _ = _worker(m.mountpoint, ("cpu", "CPU_ATTN"), save_threads=2)
+    original = [c.clone() for c in caches]
+    specs = []
+    for i in range(6):
+        tokens = list(range(100 * i, 100 * i + 8))
+        specs.append(SaveSpec("r", [str(m.mountpoint / "ns" / "ab" / f"ab{i:02x}.kv")], 0, 8,
+                              chunkfile.token_digest(tokens), [i, i + 4]))
+    before = m.stats()["adopt_requests"]
+    w.save(specs)
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 6 and w.stats["saved_direct"] == 6
+    assert m.stats()["adopt_requests"] - before == 2 and m.stats()["direct_writes"] == 6
+    for i, spec in enumerate(specs):
+        assert _load(w, spec, [9, 8]) == set()
+        for c, o in zip(caches, original):
+            assert torch.equal(_bits(c[9]), _bits(o[i])) and torch.equal(_bits(c[8]), _bits(o[i + 4]))
     w.shutdown()
 
 

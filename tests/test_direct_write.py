@@ -107,6 +107,63 @@ def test_parts_xattrs_mode_and_replacement(make_mount):
     m.check_accounting()
 
 
+def test_write_files_adopts_a_batch_in_one_request(make_mount):
+    """write_files: one adopt request per directory for many files; a batch with an existing name (exclusive)
+    is refused whole by the daemon, then each file is written alone and gets its own answer."""
+    m = make_mount().start()
+    kv = _kv()
+    m.path("a").mkdir()
+    m.path("b").mkdir()
+    m.path("a", "taken").write_bytes(b"first")
+    datas = [kv[i * 4096:] + kv[:i * 4096] for i in range(6)]
+    files = [direct.FileToWrite(m.path("a", f"f{i}"), d, dtype="bf16", xattrs={"user.i": b"%d" % i})
+             for i, d in enumerate(datas)]
+    files += [direct.FileToWrite(m.path("b", "empty"), b""), direct.FileToWrite(m.path("b", "g"), [kv[:10], kv[10:]])]
+    before = m.stats()["adopt_requests"]
+    results = direct.write_files(files)
+    assert results == [True] * 6 + [False, True]
+    assert m.stats()["adopt_requests"] - before == 2  # one per directory: a/ and b/
+    for f, d in zip(files, [*datas, b"", kv]):
+        assert Path(f.path).read_bytes() == d
+    assert os.getxattr(m.path("a", "f3"), "user.i") == b"3" and os.getxattr(m.path("a", "f3"), "user.kvfs.dtype") == b"bf16"
+
+    again = [direct.FileToWrite(m.path("a", "new1"), datas[0], exclusive=True),
+             direct.FileToWrite(m.path("a", "taken"), datas[1], exclusive=True),
+             direct.FileToWrite(m.path("a", "new2"), datas[2], exclusive=True)]
+    before = m.stats()
+    results = direct.write_files(again)
+    assert results[0] is True and results[2] is True and isinstance(results[1], FileExistsError), results
+    assert m.path("a", "taken").read_bytes() == b"first"
+    assert m.path("a", "new1").read_bytes() == datas[0] and m.path("a", "new2").read_bytes() == datas[2]
+    after = m.stats()
+    assert after["adopt_requests"] - before["adopt_requests"] == 4  # the batch, then each file alone
+    assert after["adopt_refusals"] - before["adopt_refusals"] == 2
+    assert after["direct_writes"] - before["direct_writes"] == 2
+    assert not _staged(m)
+    m.check_accounting()
+
+
+def test_a_batch_with_a_bad_member_adopts_nothing(make_mount):
+    m = make_mount().start()
+    kv = _kv()
+    good, bad = _stage(m, m.mountpoint, kv), _stage(m, m.mountpoint, kv)
+    raw = bytearray(bad.read_bytes())
+    raw[-100] ^= 1  # a payload byte
+    bad.write_bytes(bytes(raw))
+    batch = [staging.AdoptRequest(good.name, b"good", 0o644), staging.AdoptRequest(bad.name, b"bad", 0o644)]
+    with pytest.raises(OSError) as e:
+        os.setxattr(m.mountpoint, staging.XA_ADOPT, staging.encode_batch(batch))
+    assert e.value.errno == errno.EBADMSG
+    assert not m.path("good").exists() and not m.path("bad").exists() and not _staged(m)
+    other = _stage(m, m.mountpoint, kv)
+    twice = [staging.AdoptRequest(other.name, b"x", 0o644), staging.AdoptRequest(other.name, b"y", 0o644)]
+    with pytest.raises(OSError) as e:
+        os.setxattr(m.mountpoint, staging.XA_ADOPT, staging.encode_batch(twice))
+    assert e.value.errno == errno.EINVAL
+    assert m.stats()["direct_writes"] == 0 and m.alive()
+    m.check_accounting()
+
+
 def _valid_object(m: KvfsMount, data: bytes) -> bytes:
     offer = staging_offer(str(m.mountpoint), fresh=True)
     return b"".join(encode_object([memoryview(data)], offer, {}))
@@ -317,24 +374,30 @@ def _strays(m: KvfsMount):
     return list(DirectoryTier("L2", m.l2, 1 << 30, False).strays())
 
 
+@pytest.mark.parametrize("batch", [1, 3], ids=["file", "batch"])
 @pytest.mark.parametrize("step", DAEMON_STEPS)
-def test_daemon_killed_at_each_step(make_mount, tmp_path, step):
+def test_daemon_killed_at_each_step(make_mount, tmp_path, step, batch):
     m = make_mount().start(env={"KVFS_CRASH_AT": step})
     data = _kv()
     m.path("ns").mkdir()
-    with pytest.raises(OSError):  # the daemon died under the request: ENOTCONN
-        direct.write_file(m.path("ns", "f.kv"), data)
+    names = [m.path("ns", f"f{i}.kv") for i in range(batch)]
+    if batch == 1:
+        with pytest.raises(OSError):  # the daemon died under the request: ENOTCONN
+            direct.write_file(names[0], data)
+    else:
+        results = direct.write_files([direct.FileToWrite(p, data) for p in names])
+        assert all(isinstance(r, OSError) for r in results), results
     assert m.proc.wait(30) == -9
     m.proc = None
     subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
     _backdate_staged(m)
     m.start()
     stats = m.stats()
-    if step == "adopt-named":  # committed before the reply: the whole file, or (before it) nothing
-        assert m.path("ns", "f.kv").read_bytes() == data
+    if step == "adopt-named":  # committed before the reply: the whole batch, or (before it) nothing
+        assert all(p.read_bytes() == data for p in names)
     else:
-        assert not m.path("ns", "f.kv").exists()
-        assert stats["reconcile_orphans_removed"] == (1 if step == "adopt-placed" else 0)
+        assert not any(p.exists() for p in names)
+        assert stats["reconcile_orphans_removed"] == (batch if step == "adopt-placed" else 0)
     assert not _staged(m)
     m.check_accounting()
     assert direct.write_file(m.path("ns", "g.kv"), data) and m.path("ns", "g.kv").read_bytes() == data

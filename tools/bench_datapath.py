@@ -19,6 +19,7 @@ Arms (a registry, ARMS below: one line per arm):
     fuse  write/read 1 and 2      open/write/close and open/read/close through the mount
     direct read 1 and 2           kvfs.direct.read_file: names through the mount, objects decoded in-process
     direct write 1 and 2          kvfs.direct.write_file(path, data) where kvfs provides it (else skipped)
+    batched write 1 and 2         kvfs.direct.write_files, BATCH_FILES files per call: one adoption for them
     base  write/read 1 and 2      the FUSE arms against another checkout's daemon (--baseline DIR)
 and, in this process, the codec's single-thread encode speed on the same data (the default policy, one frame after
 the other, then format.build_object): the reference for direct writes (target: >= 0.8x of it).
@@ -64,6 +65,8 @@ DATA = REPO / "tests" / "data" / "kv"
 PERTURB_STEP = 4099  # elements between flipped bits
 BARRIER_POLL_S = 0.0005
 WORKER_TIMEOUT_S = 600.0
+BATCH_FILES = 16  # files per kvfs.direct.write_files call in the batched write arms
+PAST_FUSE = ("direct", "batch")  # arm methods that write or read past FUSE (kvfs.direct)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def worker(spec: dict) -> None:
     files = [(Path(path), make_file(srcs, k, spec["per_file"])) for path, k in spec["files"]]
     op, method = spec["op"], spec["method"]
     direct = None
-    if method == "direct":
+    if method in PAST_FUSE:
         import kvfs.direct as direct  # imported before the barrier
     bufs = {len(d): bytearray(len(d)) for _, d in files}  # reused, exactly a file's size: compared by memcmp
     Path(spec["ready"]).touch()
@@ -107,7 +110,9 @@ def worker(spec: dict) -> None:
     c0 = os.times()
     past_fuse = 0
     mismatches = []
-    for path, data in files:
+    if op == "write" and method == "batch":
+        past_fuse += _write_batches(direct, files)
+    for path, data in ([] if method == "batch" else files):
         if op == "write" and method == "direct":
             past_fuse += bool(direct.write_file(path, data, dtype=None, shape=None))
         elif op == "write":
@@ -136,6 +141,18 @@ def worker(spec: dict) -> None:
         "cpu_s": (c1.user - c0.user) + (c1.system - c0.system)}))
 
 
+def _write_batches(direct, files: list[tuple[Path, bytes]]) -> int:
+    """kvfs.direct.write_files over the files, BATCH_FILES at a time; how many went past FUSE."""
+    past = 0
+    for g in range(0, len(files), BATCH_FILES):
+        results = direct.write_files([direct.FileToWrite(path, data) for path, data in files[g:g + BATCH_FILES]])
+        for r in results:
+            if isinstance(r, OSError):
+                raise r
+            past += r
+    return past
+
+
 def _read_posix(path: Path, buf: bytearray) -> int:
     """Read the file into buf (its expected size); the bytes read, or -1 if the file is longer."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -162,7 +179,7 @@ class Arm:
     name: str
     target: str  # "plain", "fuse" or "base": where the files are
     op: str  # "write" or "read"
-    method: str  # "posix" or "direct"
+    method: str  # "posix", "direct" or "batch" (direct writes, BATCH_FILES files per call)
     procs: int
     reads_from: str | None = None  # for reads: the write arm whose files they read
 
@@ -178,6 +195,8 @@ def _arms() -> list[Arm]:
             arms.append(Arm(f"{target} write {n}", target, "write", "posix", n))
     for n in (1, 2):
         arms.append(Arm(f"direct write {n}", "fuse", "write", "direct", n))
+    for n in (1, 2):
+        arms.append(Arm(f"batched write {n}", "fuse", "write", "batch", n))
     for target in ("plain", "fuse", "base"):
         for n in (1, 2):
             arms.append(Arm(f"{target} read {n}", target, "read", "posix", n, reads_from=f"{target} write {n}"))
@@ -249,8 +268,8 @@ class Run:
     def run_arm(self, arm: Arm, per_arm: int, srcs: list[Path]) -> dict:
         if arm.target not in self.roots:
             return {"skipped": "no --baseline"}
-        if arm.op == "write" and arm.method == "direct" and not _has_direct_write():
-            return {"skipped": "kvfs.direct.write_file does not exist yet"}
+        if arm.op == "write" and arm.method in PAST_FUSE and not _has_direct_write(arm.method):
+            return {"skipped": "this kvfs.direct cannot write past FUSE that way"}
         if arm.op == "read" and arm.reads_from not in self.file_sets:
             return {"skipped": f"{arm.reads_from} did not run"}
         shares = self.files_for(arm, per_arm)
@@ -308,7 +327,7 @@ class Run:
             rec["request_kib"] = moved / reqs / 1024 if reqs else None
             if c1.get("checksum_failures", 0) or c1.get("commit_failures", 0) or c1.get("errors", 0):
                 raise BenchFailure(f"{arm.name}: the daemon counted checksum or commit failures")
-        if arm.op == "write" and arm.method == "direct":
+        if arm.op == "write" and arm.method in PAST_FUSE:
             self._verify_direct_writes(arm, srcs)
         shutil.rmtree(gate, ignore_errors=True)
         return rec
@@ -335,12 +354,12 @@ class Run:
         return p
 
 
-def _has_direct_write() -> bool:
+def _has_direct_write(method: str) -> bool:
     try:
         import kvfs.direct as direct
     except ImportError:
         return False
-    return hasattr(direct, "write_file")
+    return hasattr(direct, "write_files" if method == "batch" else "write_file")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -416,7 +435,7 @@ def table(summary: dict[str, dict], codec: dict | None) -> str:
                 lines.append(f"{arm.name:<16} {'skipped: ' + s['skipped']}")
             continue
         note = ""
-        if arm.method == "direct":
+        if arm.method in PAST_FUSE:
             note = f"{s['past_fuse']}/{s['files']} past FUSE"
         lines.append(f"{arm.name:<16} {s['mb_s']:>8.0f} {_f(s.get('ratio_plain'), '>8.2f')} "
                      f"{_f(s.get('scaling_2v1'), '>7.2f')} {_f(s['daemon_cpu_s_per_gb'], '>16.2f')} "
@@ -456,7 +475,7 @@ def plot(summary: dict[str, dict], path: Path) -> str | None:
     except ImportError:
         return "matplotlib not importable: no plot"
     names = [a.name for a in ARMS if "mb_s" in summary[a.name]]
-    colors = {"plain": "#999999", "fuse": "#1f77b4", "direct": "#2ca02c", "base": "#ff7f0e"}
+    colors = {"plain": "#999999", "fuse": "#1f77b4", "direct": "#2ca02c", "batched": "#17becf", "base": "#ff7f0e"}
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(names) + 2), 4.5))
     vals = [summary[n]["mb_s"] for n in names]
     ax.bar(range(len(names)), vals, color=[colors.get(n.split()[0], "#555555") for n in names])

@@ -68,6 +68,36 @@ def request(path: str, name: str, value: bytes) -> bool:
         return False
 
 
+def write_atomic_many(writes: list[tuple[str, list, dict[str, bytes]]], direct_writes: bool = False,
+                      shed: bool = False) -> list[str | None | OSError]:
+    """write_atomic for each (path, parts, xattrs), in order, its OSError in its place instead of raised.
+    Direct writes of one directory are adopted together (kvfs.direct.write_files: one request to the daemon
+    and one index transaction for the lot)."""
+    if not direct_writes:
+        return [_outcome(write_atomic, path, parts, xattrs, False, shed) for path, parts, xattrs in writes]
+    out: list[str | None | OSError] = [None] * len(writes)
+    todo = []
+    for i, (path, _, _) in enumerate(writes):
+        if not exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            todo.append(i)
+    batch = [direct.FileToWrite(writes[i][0], writes[i][1], xattrs=writes[i][2], mode=0o644, exclusive=True)
+             for i in todo]
+    for i, went in zip(todo, direct.write_files(batch, shed=shed)):
+        if isinstance(went, FileExistsError):
+            out[i] = None
+        else:
+            out[i] = went if isinstance(went, OSError) else "direct" if went else "mount"
+    return out
+
+
+def _outcome(fn, *args) -> str | None | OSError:
+    try:
+        return fn(*args)
+    except OSError as e:
+        return e
+
+
 def write_atomic(path: str, parts: list, xattrs: dict[str, bytes], direct_writes: bool = False,
                  shed: bool = False) -> str | None:
     """Write `parts` as the file `path`, atomically; None if the file exists already, else how it went:

@@ -72,6 +72,7 @@ class WorkerSide:
         self.memory = HostMemory(pinned=self.copies.device_side, limit_bytes=pinned_bytes)
         self.readers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-read",
                                              initializer=cpus.pin_current_thread, initargs=(io_cpus,))
+        self.save_threads = save_threads
         self.writer = cf.ThreadPoolExecutor(save_threads, thread_name_prefix="kvfs-write",
                                             initializer=cpus.pin_current_thread, initargs=(io_cpus,))
         self.max_pending = max_pending_save_bytes
@@ -212,19 +213,27 @@ class WorkerSide:
     # -- saves -----------------------------------------------------------------------------------------
     def save(self, specs: list[SaveSpec]) -> None:
         """Right after the forward pass (forward thread): copy each new chunk out of the paged cache into a
-        slot of its own, and queue the write for when the copy is done."""
+        slot of its own, and queue the writes for when the copies are done: one job per writer thread, whose
+        chunks kvfs adopts together."""
         accepted = [(spec, spec.paths[self.rank]) for spec in specs if self._admit(spec.paths[self.rank])]
         if not accepted:
             return
-        with self.copies.saving():
-            for spec, path in accepted:
-                try:
-                    slot = self.save_slots.take()
-                    copied = self.copies.chunk_to_host(spec.block_ids, slot)
-                except Exception:
-                    self._done(path)
-                    raise
-                self.writer.submit(self._write, spec, path, slot, copied)
+        jobs: list[list] = [[] for _ in range(min(self.save_threads, len(accepted)))]
+        try:
+            with self.copies.saving():
+                for n, (spec, path) in enumerate(accepted):
+                    try:
+                        slot = self.save_slots.take()
+                        copied = self.copies.chunk_to_host(spec.block_ids, slot)
+                    except Exception:
+                        for _, later in accepted[n:]:
+                            self._done(later)
+                        raise
+                    jobs[n % len(jobs)].append((spec, path, slot, copied))
+        finally:
+            for job in jobs:
+                if job:
+                    self.writer.submit(self._write, job)
 
     def _shed(self, path: str) -> None:
         self.stats["saves_shed"] += 1
@@ -244,41 +253,54 @@ class WorkerSide:
             self._in_flight.add(path)
             return True
 
-    def _write(self, spec: SaveSpec, path: str, slot: torch.Tensor, copied) -> None:
+    def _write(self, job: list[tuple[SaveSpec, str, torch.Tensor, object]]) -> None:
+        """Write a job's chunks (writer thread), adopted by kvfs in one request where it takes direct writes."""
+        paths = [path for _, path, _, _ in job]
         try:
-            copied.synchronize()  # the chunk's copy into the slot (a device copy: its event)
+            for _, _, _, copied in job:
+                copied.synchronize()  # the chunk's copy into its slot (a device copy: its event)
             if not self.guard.usable():
-                self.stats["saves_skipped_no_mount"] += 1
+                self.stats["saves_skipped_no_mount"] += len(job)
                 return
-            if self.congested():  # kvfs's mover is behind: skip the save rather than queue behind it
-                self._shed(path)
-                self.congested.report_shed()  # (a refused adoption, below, kvfs counts itself)
+            if self.congested():  # kvfs's mover is behind: skip the saves rather than queue behind it
+                for path in paths:
+                    self._shed(path)
+                    self.congested.report_shed()  # (a refused adoption, below, kvfs counts itself)
                 return
-            parts = chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
-                                    slot[:self.payload_bytes].numpy())
-            xattrs = self.xattrs
-            if spec.blocks is not None and self.rank == 0:  # one announcement per chunk, not one per rank
-                xattrs = {**xattrs, files.XA_BLOCKS: spec.blocks}
-            how = files.write_atomic(path, parts, xattrs, self.direct_writes, shed=True)
-            if how is not None:
-                self.stats["saved_chunks"] += 1
-                self.stats["saved_bytes"] += self.payload_bytes
-                self.stats["saved_direct"] += how == "direct"
-            else:
-                self.stats["saves_existing"] += 1
-        except OSError as e:
-            if e.errno == errno.EBUSY:  # the daemon shed it: it became congested meanwhile
-                self._shed(path)
-                return
-            self.stats["save_errors"] += 1
-            self.guard.failed(e)
-            self._warn_once("save-" + str(e.errno), "kvfs connector: saving %s failed: %s", path, e)
+            writes = [(path, self._file_parts(spec, slot), self._file_xattrs(spec)) for spec, path, slot, _ in job]
+            for path, how in zip(paths, files.write_atomic_many(writes, self.direct_writes, shed=True)):
+                self._count(path, how)
         except Exception:
-            self.stats["save_errors"] += 1
-            log.exception("kvfs connector: saving %s failed", path)
+            self.stats["save_errors"] += len(job)
+            log.exception("kvfs connector: saving %s failed", ", ".join(paths))
         finally:
-            self.save_slots.give(slot)
-            self._done(path)
+            for _, path, slot, _ in job:
+                self.save_slots.give(slot)
+                self._done(path)
+
+    def _file_parts(self, spec: SaveSpec, slot: torch.Tensor) -> list:
+        return chunkfile.build(spec.first_token, spec.n_tokens, spec.token_digest, self.descriptor,
+                               slot[:self.payload_bytes].numpy())
+
+    def _file_xattrs(self, spec: SaveSpec) -> dict[str, bytes]:
+        if spec.blocks is not None and self.rank == 0:  # one announcement per chunk, not one per rank
+            return {**self.xattrs, files.XA_BLOCKS: spec.blocks}
+        return self.xattrs
+
+    def _count(self, path: str, how: str | None | OSError) -> None:
+        if isinstance(how, OSError):
+            if how.errno == errno.EBUSY:  # the daemon shed it: it became congested meanwhile
+                self._shed(path)
+                return
+            self.stats["save_errors"] += 1
+            self.guard.failed(how)
+            self._warn_once("save-" + str(how.errno), "kvfs connector: saving %s failed: %s", path, how)
+        elif how is not None:
+            self.stats["saved_chunks"] += 1
+            self.stats["saved_bytes"] += self.payload_bytes
+            self.stats["saved_direct"] += how == "direct"
+        else:
+            self.stats["saves_existing"] += 1
 
     def _done(self, path: str) -> None:
         with self._lock:
