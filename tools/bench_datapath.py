@@ -31,7 +31,8 @@ medians over rounds.
 
 Targets of the issue (printed as PASS/FAIL, informational): fuse write 1 >= 2x the numbers of the issue's baseline
 (164-378 MB/s) with the daemon <= 1.5 CPU-s/GB; fuse read 1 >= 1 GB/s; fuse read and fuse write 2-vs-1 >= 1.5x;
-direct write 1 >= 0.8x the codec's single-thread encode speed.
+direct and batched write 1 >= 0.8x the codec's single-thread encode speed with the daemon <= 0.1 CPU-s/GB, and
+2 vs 1 >= 1.7x.
 
 Usage (as root, FUSE available):
     .venv/bin/python tools/bench_datapath.py                    # ~300 MB per arm, 3 rounds
@@ -460,10 +461,16 @@ def targets(summary: dict[str, dict], codec: dict | None) -> list[tuple[str, boo
     for op in ("read", "write"):
         sc = get(f"fuse {op} 2", "scaling_2v1")
         out.append((f"fuse {op} 2 vs 1 >= 1.5x", None if sc is None else sc >= 1.5, f"{_f(sc, '.2f')}x"))
-    dw = get("direct write 1")
     ref = codec["mb_s"] if codec else None
-    out.append(("direct write 1 >= 0.8x codec single-thread encode", None if dw is None or ref is None
-                else dw >= 0.8 * ref, f"{_f(dw, '.0f')} vs {_f(ref, '.0f')} MB/s"))
+    for arm in ("direct", "batched"):
+        dw = get(f"{arm} write 1")
+        out.append((f"{arm} write 1 >= 0.8x codec single-thread encode", None if dw is None or ref is None
+                    else dw >= 0.8 * ref, f"{_f(dw, '.0f')} vs {_f(ref, '.0f')} MB/s"))
+        cpu = get(f"{arm} write 1", "daemon_cpu_s_per_gb")
+        out.append((f"{arm} write 1: daemon <= 0.1 CPU-s/GB", None if cpu is None else cpu <= 0.1,
+                    f"{_f(cpu, '.2f')} CPU-s/GB"))
+        sc = get(f"{arm} write 2", "scaling_2v1")
+        out.append((f"{arm} write 2 vs 1 >= 1.7x", None if sc is None else sc >= 1.7, f"{_f(sc, '.2f')}x"))
     return out
 
 
