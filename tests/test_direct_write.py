@@ -312,7 +312,8 @@ def _writer_proc(path: Path, data_file: Path, count: int) -> subprocess.Popen:
 
 def test_concurrent_direct_writers_overfilling_l2_push_demotion(make_mount, tmp_path):
     """L2 holds a few files: the daemon demotes to L3 to make room for what direct writers stage, as for
-    writes through the mount; an object larger than every tier gets ENOSPC."""
+    writes through the mount; an object larger than every tier gets ENOSPC; a batch larger than L2 spills
+    into L3."""
     m = make_mount().start("--l3", f"{tmp_path / 'l3'}:200M", l2_size="12M")
     data_file = tmp_path / "kv"
     data = _kv()
@@ -335,6 +336,12 @@ def test_concurrent_direct_writers_overfilling_l2_push_demotion(make_mount, tmp_
         direct.write_file(m.path("huge"), os.urandom(220 << 20))
     assert e.value.errno == errno.ENOSPC
     assert not m.path("huge").exists() and not _staged(m)
+    # a batch larger than L2: its objects are charged before any is named (none can be demoted yet), so
+    # the ones that no longer fit go to L3
+    batch = [direct.FileToWrite(m.path("w", f"batch-{i}"), data[i * 4096:] + data[:i * 4096]) for i in range(8)]
+    assert direct.write_files(batch) == [True] * 8
+    assert all(Path(f.path).read_bytes() == f.data for f in batch)
+    assert not _staged(m)
     m.check_accounting()
 
 
