@@ -41,10 +41,10 @@ class Congestion:
                     self._congested = False  # not kvfs, or an older one: no back-pressure signal
             return self._congested
 
-    def report_shed(self) -> None:
-        """Tell kvfs a save was skipped, so its stats and metrics count every shed save (best effort)."""
+    def report_shed(self, count: int = 1) -> None:
+        """Tell kvfs `count` saves were skipped, so its stats and metrics count every shed save (best effort)."""
         try:
-            os.setxattr(self.mount, XA_SHED, b"1")
+            os.setxattr(self.mount, XA_SHED, str(count).encode())
         except OSError:
             pass
 

@@ -265,7 +265,7 @@ class WorkerSide:
             if self.congested():  # kvfs's mover is behind: skip the saves rather than queue behind it
                 for path in paths:
                     self._shed(path)
-                    self.congested.report_shed()  # (a refused adoption, below, kvfs counts itself)
+                self.congested.report_shed(len(paths))  # (a refused adoption, below, kvfs counts itself)
                 return
             writes = [(path, self._file_parts(spec, slot), self._file_xattrs(spec)) for spec, path, slot, _ in job]
             for path, how in zip(paths, files.write_atomic_many(writes, self.direct_writes, shed=True)):
