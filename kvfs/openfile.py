@@ -104,8 +104,10 @@ class DirtyBudget:
 class EncodingPolicy:
     """How new frames of a file are encoded: codec, transform and codec parameters, chosen once per file.
 
-    codec None is the mount's `auto`: the first frame's sample is compressed by each candidate (the entropy
-    coder for 2-byte floats, zstd on byte planes, zstd on raw bytes) and the smallest wins. A file's dtype,
+    codec None is the mount's `auto`: the sample of the first frame encoded is compressed by each candidate
+    (the entropy coder for 2-byte floats, zstd on byte planes, zstd on raw bytes) and the smallest wins.
+    Frames are encoded in parallel, so in a file whose frames differ in kind (text, then noise) which frame
+    decides is not fixed; KV frames are alike. A file's dtype,
     when known, narrows the candidates; its shape hint gives the entropy coder its channel stride. Either way
     a frame that does not shrink is stored raw (format.encode_frame)."""
 

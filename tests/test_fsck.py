@@ -105,7 +105,8 @@ def test_clean_mount_checks_every_object(make_mount):
 
 def test_live_fsck_finds_then_repairs(make_mount):
     m = make_mount().start()
-    m.expect_log(r"corrupt object for inode \d+ \(b'corrupt.kv'\): frame 1: .*found by fsck")
+    # which frame holds the flipped byte depends on how well frame 0 compressed
+    m.expect_log(r"corrupt object for inode \d+ \(b'corrupt.kv'\): frame \d+: .*found by fsck")
     contents = write_files(m)
     expected = damage(objects_of(m, contents))
     before = {p: p.read_bytes() for p in m.objects()}
