@@ -117,8 +117,18 @@ class CephCluster:
         _wait_dead(pidfile)
 
     def pause_rgw(self) -> None:
-        """A hung store: RGW stopped (SIGSTOP) keeps its port; connections are accepted and never answered."""
-        _kill(self.root / "run" / "client.rgw.a.pid", signal.SIGSTOP)
+        """A hung store: RGW stopped (SIGSTOP) keeps its port; connections are accepted and never answered.
+        Returns once every RGW thread is stopped: the signal is delivered asynchronously."""
+        pidfile = self.root / "run" / "client.rgw.a.pid"
+        _kill(pidfile, signal.SIGSTOP)
+        pid = _pid(pidfile)
+        if pid is None:
+            raise CephError(f"RGW has no pid in {pidfile}: nothing to pause")
+        end = time.monotonic() + 10
+        while not _stopped(pid):
+            if time.monotonic() > end:
+                raise CephError(f"RGW (pid {pid}) did not stop within 10 s of SIGSTOP")
+            time.sleep(0.01)
 
     def resume_rgw(self) -> None:
         _kill(self.root / "run" / "client.rgw.a.pid", signal.SIGCONT)
@@ -285,6 +295,16 @@ def _alive(pidfile: Path) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped by a signal (state T)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
+    except OSError:
+        return False
+    return all(state in ("T", "t") for state in states)
 
 
 def _kill(pidfile: Path, sig: int) -> None:
