@@ -107,9 +107,9 @@ class EncodingPolicy:
     codec None is the mount's `auto`: the sample of the first frame encoded is compressed by each candidate
     (the entropy coder for 2-byte floats, zstd on byte planes, zstd on raw bytes) and the smallest wins.
     Frames are encoded in parallel, so in a file whose frames differ in kind (text, then noise) which frame
-    decides is not fixed; KV frames are alike. A file's dtype,
-    when known, narrows the candidates; its shape hint gives the entropy coder its channel stride. Either way
-    a frame that does not shrink is stored raw (format.encode_frame)."""
+    decides is not fixed; KV frames are alike. A file's dtype, when known, narrows the candidates; its shape
+    hint gives the entropy coder its channel stride. Either way a frame that does not shrink is stored raw
+    (format.encode_frame)."""
 
     def __init__(self, codec: codecs.Codec | None, dtype: str, shape: bytes | None = None,
                  lossy: lossy_modes.Lossy = lossy_modes.LOSSLESS) -> None:

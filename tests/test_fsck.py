@@ -105,7 +105,7 @@ def test_clean_mount_checks_every_object(make_mount):
 
 def test_live_fsck_finds_then_repairs(make_mount):
     m = make_mount().start()
-    # which frame holds the flipped byte depends on how well frame 0 compressed
+    # the flipped byte is in frame 0 when the codec choice stored it raw (see EncodingPolicy), else in frame 1
     m.expect_log(r"corrupt object for inode \d+ \(b'corrupt.kv'\): frame \d+: .*found by fsck")
     contents = write_files(m)
     expected = damage(objects_of(m, contents))

@@ -112,18 +112,16 @@ class CephCluster:
         return [pid for pid in map(_pid, (self.root / "run").glob("*.pid")) if pid is not None]
 
     def stop_rgw(self) -> None:
-        pidfile = self.root / "run" / "client.rgw.a.pid"
-        _kill(pidfile, signal.SIGKILL)
-        _wait_dead(pidfile)
+        _kill(self._rgw_pidfile, signal.SIGKILL)
+        _wait_dead(self._rgw_pidfile)
 
     def pause_rgw(self) -> None:
         """A hung store: RGW stopped (SIGSTOP) keeps its port; connections are accepted and never answered.
         Returns once every RGW thread is stopped: the signal is delivered asynchronously."""
-        pidfile = self.root / "run" / "client.rgw.a.pid"
-        _kill(pidfile, signal.SIGSTOP)
-        pid = _pid(pidfile)
+        pid = _pid(self._rgw_pidfile)
         if pid is None:
-            raise CephError(f"RGW has no pid in {pidfile}: nothing to pause")
+            raise CephError(f"RGW has no pid in {self._rgw_pidfile}: nothing to pause")
+        os.kill(pid, signal.SIGSTOP)
         end = time.monotonic() + 10
         while not _stopped(pid):
             if time.monotonic() > end:
@@ -131,7 +129,11 @@ class CephCluster:
             time.sleep(0.01)
 
     def resume_rgw(self) -> None:
-        _kill(self.root / "run" / "client.rgw.a.pid", signal.SIGCONT)
+        _kill(self._rgw_pidfile, signal.SIGCONT)
+
+    @property
+    def _rgw_pidfile(self) -> Path:
+        return self.root / "run" / "client.rgw.a.pid"
 
     def start_rgw(self, timeout: float = 60.0) -> None:
         self._tool("radosgw", "-n", "client.rgw.a")
