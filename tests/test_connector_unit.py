@@ -426,31 +426,6 @@ def test_planner_without_decode_saves_and_with_existing_chunks(tmp_path):
     assert [s.first_token for s in saves] == [256]  # chunk 0 exists; chunk 2 would need decode tokens
 
 
-def test_unsupported_models_and_caches_are_named():
-    """MLA, several KV-cache groups, sliding window, quantised KV: the connector disables itself (one log line)."""
-    pytest.importorskip("vllm")
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    from kvfs_connector.connector import unsupported
-
-    def config(spec_list, use_mla=False, window=None, cache_dtype="auto"):
-        vc = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=use_mla, get_sliding_window=lambda: window),
-                                   cache_config=types.SimpleNamespace(cache_dtype=cache_dtype))
-        kc = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=s) for s in spec_list])
-        return vc, kc
-
-    full = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
-    assert unsupported(*config([full])) is None
-    assert "MLA" in unsupported(*config([full], use_mla=True))
-    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    assert "MLA" in unsupported(*config([mla]))
-    assert "2 KV-cache groups" in unsupported(*config([full, full]))
-    window = SlidingWindowSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=4096)
-    assert "sliding" in unsupported(*config([window]))
-    assert "sliding" in unsupported(*config([full], window=4096))
-    assert "fp8" in unsupported(*config([full], cache_dtype="fp8_e4m3"))
-
-
 def test_mount_guard_only_a_gone_mount_turns_everything_into_misses(tmp_path):
     import errno
 

@@ -11,6 +11,7 @@ interface).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -127,8 +128,9 @@ def test_scheduler_side_builds_loads_and_saves_from_vllms_objects(configs):
     conn.shutdown()
 
 
-def _worker_connector(configs, backend):
-    """A worker-role connector over vLLM's own KV cache allocation, its layers reporting `backend`."""
+def _worker_connector(configs, backend, kcc=None, vc=None, layer_attrs=None):
+    """A worker-role connector over vLLM's own KV cache allocation, its layers reporting `backend` (and
+    carrying `layer_attrs`, e.g. fp8 scales)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -137,7 +139,8 @@ def _worker_connector(configs, backend):
 
     from kvfs_connector.connector import KVFSConnector
 
-    vc, kcc, _, _ = configs
+    vc = vc or configs[0]
+    kcc = kcc or configs[1]
     kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
     if not ps.model_parallel_is_initialized():
         with socket.socket() as s:
@@ -151,8 +154,12 @@ def _worker_connector(configs, backend):
         def get_attn_backend(self):
             return backend
 
-    for name in LAYER_NAMES:
-        vc.compilation_config.static_forward_context[name] = Layer()
+    for group in kcc.kv_cache_groups:
+        for name in group.layer_names:
+            layer = Layer()
+            for key, value in (layer_attrs or {}).items():
+                setattr(layer, key, value)
+            vc.compilation_config.static_forward_context[name] = layer
     return KVFSConnector(vc, KVConnectorRole.WORKER, kcc), kv
 
 
@@ -166,7 +173,7 @@ def test_worker_detects_the_layout_and_round_trips_through_the_connector(configs
     conn, kv = _worker_connector(configs, CPUAttentionBackend)
     assert tuple(kv[LAYER_NAMES[0]].shape) == (NB, 3, BS, 128)  # [blocks, kv heads, block size, K|V content]
     conn.register_kv_caches(kv)
-    assert conn.worker is not None and conn.worker.layout.name == conn.layout_name
+    assert len(conn.workers) == 1 and conn.workers[0].layout.name == conn.layout_name
     gen = torch.Generator().manual_seed(0)
     for name in LAYER_NAMES:
         kv[name].view(torch.int16).copy_(torch.randint(-30000, 30000, kv[name].shape, generator=gen, dtype=torch.int16))
@@ -174,7 +181,7 @@ def test_worker_detects_the_layout_and_round_trips_through_the_connector(configs
     conn.bind_connector_metadata(KVFSMetadata(saves=[SaveSpec("a", [path], 0, CHUNK, digest, [1, 2])]))
     conn.wait_for_save()
     conn.clear_connector_metadata()
-    conn.worker.flush(30)
+    conn.workers[0].flush(30)
     conn.bind_connector_metadata(KVFSMetadata(loads=[LoadSpec("b", [path], 0, CHUNK, digest, [5, 6], 0, 2)]))
     conn.start_load_kv(None)
     for name in LAYER_NAMES:
@@ -307,4 +314,250 @@ def test_an_unknown_layout_stops_the_worker_at_start(configs):
     with pytest.raises(layouts.UnknownLayout) as err:
         conn.register_kv_caches(kv)
     assert vllm.__version__ in str(err.value) and "NEW_FANCY_ATTN" in str(err.value)
-    assert conn.worker is None
+    assert conn.workers == []
+
+
+# -- model families: several KV-cache groups, MLA, fp8 (vLLM's own specs, configs and allocator) -----------
+def _kcc(groups, block_size, nb=NB):
+    """A KVCacheConfig as vLLM's engine core makes one: every layer of every group in one allocation."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    page = groups[0][1].page_size_bytes
+    layers = [name for names, _ in groups for name in names]
+    return KVCacheConfig(num_blocks=nb, kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups],
+                         hash_block_size=block_size,
+                         kv_cache_tensors=[KVCacheTensor(size=page * nb * len(layers), layers=layers,
+                                                         layer_stride=page * nb, block_stride=page)])
+
+
+def _fill(kv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.values():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape[:-1] + (t.shape[-1] * t.element_size(),),
+                                                generator=gen, dtype=torch.uint8).view(t.shape[:-1] + (-1,)))
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _round(conn, loads=(), saves=(), layers=()):
+    """One engine step on the worker side: loads, the layers' waits, saves."""
+    from kvfs_connector.connector import KVFSMetadata
+
+    conn.bind_connector_metadata(KVFSMetadata(loads=list(loads), saves=list(saves)))
+    conn.start_load_kv(None)
+    for name in layers:
+        conn.wait_for_layer_load(name)
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    for worker in conn.workers:
+        worker.flush(30)
+
+
+def _transfer_results(conn, timeout=30):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        results = conn.get_transfer_results(set())
+        if results.finished_recving:
+            return results
+        time.sleep(0.01)
+    raise AssertionError("no asynchronous load finished")
+
+
+HYB_BS = 32
+FULL_LAYERS = ["model.layers.5.self_attn.attn"]
+WINDOW_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+
+
+def _hybrid_kcc():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=HYB_BS, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=HYB_BS, num_kv_heads=3, head_size=64, dtype=torch.bfloat16,
+                               sliding_window=100)
+    # vLLM's grouping for 5 sliding-window layers : 1 full: six groups of one layer
+    return _kcc([(FULL_LAYERS, full)] + [([name], window) for name in WINDOW_LAYERS], HYB_BS, nb=48)
+
+
+def test_a_hybrid_model_keeps_hma_and_plans_window_loads_from_vllms_objects(configs):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvfs_connector.connector import KVFSConnector
+
+    vc, _, _, mount = configs
+    assert KVFSConnector.__mro__ and supports_hma(KVFSConnector)
+    assert KVConnectorFactory.supports_hma_config(vc.kv_transfer_config)  # vLLM keeps its hybrid manager on
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    kcc = _hybrid_kcc()
+    conn = KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    assert [p.kind for p in conn.model.parts] == ["full", "window"] and conn.chunk_size == 256
+    req = Request("h", list(range(3000, 3700)), SamplingParams(max_tokens=4), None,
+                  block_hasher=get_request_block_hasher(HYB_BS, hash_fn))
+    for chunk in range(2):
+        for path in conn.planner.all_chunk_paths(req, chunk):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "wb").close()
+    assert conn.get_num_new_matched_tokens(req, 0) == (512, True)  # asynchronous: vLLM's rule for hybrids
+    # vLLM's allocation for a 512-token hit: the window groups' first (512 - 99) // 32 = 12 blocks are null
+    null = KVCacheBlock(0)
+    full = [KVCacheBlock(i) for i in range(1, 17)]
+    windows = [[null] * 12 + [KVCacheBlock(100 + 10 * g + i) for i in range(4)] for g in range(5)]
+    conn.update_state_after_alloc(req, KVCacheBlocks((full, *windows)), 512)
+    so = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                         num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+                         scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+    meta = conn.build_connector_meta(so)
+    assert [(ld.part, ld.first_token, ld.first_block, ld.end_block) for ld in meta.loads] == [
+        (0, 0, 0, 8), (0, 256, 0, 8), (1, 256, 0, 4)]
+    assert meta.loads[2].groups == [[100 + 10 * g + i for i in range(4)] for g in range(5)]
+    assert all(ld.asynchronous for ld in meta.loads)
+    assert conn.request_finished_all_groups(req, ([1], [0], [0], [0], [0], [0])) == (False, None)
+    conn.shutdown()
+
+
+def test_a_hybrid_models_window_round_trips_and_a_failed_load_fails_the_request(configs):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvfs_connector.chunkfile import token_digest
+    from kvfs_connector.plan import LoadSpec, SaveSpec
+
+    kcc = _hybrid_kcc()
+    conn, kv = _worker_connector(configs, CPUAttentionBackend, kcc=kcc)
+    conn.register_kv_caches(kv)
+    assert [w.layout.g.chunk_size for w in conn.workers] == [256, 128]  # the window file: its last 4 blocks
+    _fill(kv)
+    digest = token_digest(range(256))
+    full_path, win_path = (os.path.join(configs[3], f"hyb-{p}.kv") for p in ("full", "win"))
+    windows = [[8 + g * 4 + i for i in range(4)] for g in range(5)]  # tail blocks of each window group
+    _round(conn, saves=[SaveSpec("a", [full_path], 0, 256, digest, list(range(1, 9))),
+                        SaveSpec("a", [win_path], 0, 256, digest, windows[0], None, 1, windows)])
+    into = [[20 + g * 4 + i for i in range(4)] for g in range(5)]
+    loads = [LoadSpec("b", [full_path], 0, 256, digest, list(range(38, 46)), 0, 8, 0, None, True),
+             LoadSpec("b", [win_path], 0, 256, digest, into[0], 0, 4, 1, into, True)]
+    _round(conn, loads=loads)
+    results = _transfer_results(conn)
+    assert results.finished_recving == {"b"} and results.failed_recving == set()
+    for name in FULL_LAYERS:
+        assert torch.equal(_bytes(kv[name][1:9]), _bytes(kv[name][38:46]))
+    for name, src, dst in zip(WINDOW_LAYERS, windows, into):
+        assert torch.equal(_bytes(kv[name][src]), _bytes(kv[name][dst]))
+    # another prefix's tokens: the window part fails, the request is reported failed (vLLM recomputes it
+    # whole) and no block ids are reported: vLLM refuses those from models with several groups
+    bad = LoadSpec("c", [win_path], 0, 256, token_digest(range(1, 257)), into[0], 0, 4, 1, into, True)
+    _round(conn, loads=[dataclasses.replace(loads[0], req_id="c"), bad])
+    results = _transfer_results(conn)
+    assert results.finished_recving == {"c"} and results.failed_recving == {"c"}
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.shutdown()
+
+
+def test_mla_latents_round_trip_and_one_namespace_serves_every_tp_rank(configs):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvfs_connector.chunkfile import token_digest
+    from kvfs_connector.connector import KVFSConnector
+    from kvfs_connector.plan import LoadSpec, SaveSpec
+
+    class CpuMla:
+        @staticmethod
+        def get_name():
+            return "CPU_MLA"
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    kcc = _kcc([(names, MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))],
+               16, nb=40)
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    vc = configs[0]
+    sched = KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    assert [p.kind for p in sched.model.parts] == ["mla"] and sched.layout_name == "mla-latent"
+    tp = vc.parallel_config.tensor_parallel_size
+    one = sched._namespaces()
+    try:
+        vc.parallel_config.tensor_parallel_size = 2
+        two = sched._namespaces()
+    finally:
+        vc.parallel_config.tensor_parallel_size = tp
+    assert two == [[one[0][0]] * 2]  # every rank reads the one file rank 0 writes, whatever the TP size
+    conn, kv = _worker_connector(configs, CpuMla, kcc=kcc)
+    conn.register_kv_caches(kv)
+    assert conn.workers[0].layout.name == "mla-latent" and conn.workers[0].writes
+    assert conn.workers[0].xattrs["user.kvfs.shape"] == b"offset=4096 layer=3 channel=576 token=256"
+    _fill(kv, 1)
+    digest, path = token_digest(range(256)), os.path.join(configs[3], "mla.kv")
+    _round(conn, saves=[SaveSpec("a", [path], 0, 256, digest, list(range(1, 17)))])
+    _round(conn, loads=[LoadSpec("b", [path], 0, 256, digest, list(range(20, 36)), 0, 16)], layers=names)
+    assert conn.get_block_ids_with_load_errors() == set()
+    for name in names:
+        assert torch.equal(_bytes(kv[name][1:17]), _bytes(kv[name][20:36]))
+    conn.shutdown()
+
+
+def _fp8_bytes(n: int, scale: float) -> torch.Tensor:
+    """Real-derived fp8 KV: real bf16 KV of SmolLM2 (tests/data/kv) cast to e4m3 under a per-tensor scale, as
+    vLLM's cache writers do."""
+    raw = open(os.path.join(os.path.dirname(__file__), "data", "kv", "bf16-prose-0004.kv"), "rb").read()
+    x = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).float()
+    q = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    return q.repeat(-(-n // q.numel()))[:n]
+
+
+def test_fp8_chunks_are_stored_as_bytes_and_other_scales_are_a_miss(configs):
+    from vllm.config import CacheConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvfs_connector.chunkfile import token_digest
+    from kvfs_connector.plan import LoadSpec, SaveSpec
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    try:  # vLLM's CPU kernels: fp8 KV needs AVX-512 or AMX (a hardware condition, like a GPU)
+        _get_attn_isa(torch.bfloat16, 32, 64, "fp8_e4m3")
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    vc0 = configs[0]
+    names = LAYER_NAMES[:4]
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=3, head_size=64, dtype=torch.uint8)
+    kcc = _kcc([(names, spec)], 32, nb=40)
+
+    def worker(scale_k, cache_dtype="fp8_e4m3"):
+        vc = dataclasses.replace(vc0, cache_config=CacheConfig(block_size=32, cache_dtype=cache_dtype))
+        conn, kv = _worker_connector(configs, CPUAttentionBackend, kcc=kcc, vc=vc,
+                                     layer_attrs={"_k_scale_float": scale_k, "_v_scale_float": 0.25})
+        conn.register_kv_caches(kv)
+        return conn, kv
+
+    conn, kv = worker(0.5)
+    w = conn.workers[0]
+    assert w.xattrs["user.kvfs.dtype"] == b"fp8_e4m3" and w.layout.g.dtype == torch.uint8
+    assert w.descriptor["kv_cache_dtype"] == "fp8_e4m3" and w.descriptor["backend"] == "CPU_ATTN"
+    for i, name in enumerate(names):
+        kv[name].view(-1).copy_(_fp8_bytes(kv[name].numel(), 0.5 + i))
+    digest, path = token_digest(range(256)), os.path.join(configs[3], "fp8.kv")
+    _round(conn, saves=[SaveSpec("a", [path], 0, 256, digest, list(range(1, 9)))])
+    same, kv2 = worker(0.5)
+    _round(same, loads=[LoadSpec("b", [path], 0, 256, digest, list(range(20, 28)), 0, 8)], layers=names)
+    assert same.get_block_ids_with_load_errors() == set()
+    for name in names:
+        assert torch.equal(_bytes(kv[name][1:9]), _bytes(kv2[name][20:28]))
+    other, kv3 = worker(0.75)  # other k_scale: the bytes would mean other values
+    _round(other, loads=[LoadSpec("b", [path], 0, 256, digest, list(range(20, 28)), 0, 8)], layers=names)
+    assert other.get_block_ids_with_load_errors() == set(range(20, 28))
+    assert not any(kv3[name][20:28].any() for name in names)  # nothing was written
+    e5m2, _ = worker(0.5, "fp8_e5m2")
+    assert e5m2.workers[0].xattrs["user.kvfs.dtype"] == b"fp8_e5m2"
+    for c in (conn, same, other, e5m2):
+        c.shutdown()

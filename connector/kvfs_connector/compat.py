@@ -86,14 +86,19 @@ def attention_backend(vllm_config: Any, layer_name: str) -> str:
     return str(layer.get_attn_backend().get_name())
 
 
-def cpu_attention_isa(spec: Any, cache_dtype: str) -> str | None:
+def cpu_attention_isa(spec: Any, cache_dtype: str, model_dtype: Any = None) -> str | None:
     """The kernel family vLLM's CPU backend uses for this cache (vec, vec16, amx, neon, ...): it decides how
-    block interiors are packed. A private helper (0.32-0.34: vllm/v1/attention/backends/cpu_attn.py)."""
+    block interiors are packed. vLLM asks it with the model's dtype (an fp8 cache's spec says uint8). A
+    private helper (0.32-0.34: vllm/v1/attention/backends/cpu_attn.py)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except ImportError:
         return None
-    return str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype))
+    dtype = model_dtype if model_dtype is not None else spec.dtype
+    try:
+        return str(_get_attn_isa(dtype, spec.block_size, spec.head_size, cache_dtype))
+    except NotImplementedError:  # e.g. fp8 KV on a CPU without AVX-512: vLLM refuses it too
+        return None
 
 
 def platform_device_type() -> str:
@@ -147,6 +152,26 @@ def resumed_req_ids(cached_reqs: Any) -> Any:
     block list in new_block_ids. 0.32: CachedRequestData.resumed_req_ids. 0.34 dropped the field: a resumed
     request comes back in scheduled_new_reqs with all its blocks (docs/vllm-versions.md)."""
     return getattr(cached_reqs, "resumed_req_ids", None) or ()
+
+
+def tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tp_group().rank_in_group
+
+
+def layer_kv_scales(vllm_config: Any, layer_names: list[str]) -> list[tuple[float, float]] | None:
+    """Each layer's per-tensor fp8 scales (k_scale, v_scale), as the attention kernels use them: loaded with
+    the weights or computed by the engine (calculate_kv_scales). 0.32-0.34: Attention._k_scale_float."""
+    layers = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    out = []
+    for name in layer_names:
+        layer = layers.get(name)
+        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        if k is None or v is None:
+            return None
+        out.append((float(k), float(v)))
+    return out
 
 
 def worker_rank() -> int:

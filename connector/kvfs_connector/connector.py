@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from . import compat, cpus
 from . import layout as layouts
+from .model import ModelKV, Part, UnsupportedModel, describe_model
 from .mount import MountGuard
 from .naming import NamespaceKey, seed_identity
 from .plan import LoadSpec, Planner, SaveSpec
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvfs_connector")
 
+FP8_XATTR = {"fp8_e5m2": b"fp8_e5m2"}  # any other per-tensor fp8 cache holds e4m3 bytes
+
 
 @dataclasses.dataclass
 class KVFSMetadata(KVConnectorMetadata):
@@ -36,34 +41,45 @@ class KVFSMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
 
 
-class KVFSConnector(KVConnectorBase_V1):
-    """Stores every full chunk of tokens' KV as a file in a kvfs mount and loads the longest existing prefix."""
+class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores every full chunk of tokens' KV as files in a kvfs mount (one per part of the model's KV: full
+    attention, sliding window, MLA) and loads the longest existing prefix. Implements vLLM's multi-group
+    contract (SupportsHMA), so vLLM's hybrid KV cache manager stays on."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         compat.check_api(KVConnectorBase_V1)  # an interface it does not know: the engine stops here
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.guard = MountGuard(self.settings.mount, self.settings.require_mount)
-        self.disabled_reason = unsupported(vllm_config, kv_cache_config)
         self.planner: Planner | None = None
-        self.worker: WorkerSide | None = None
-        if self.disabled_reason:
-            log.warning("kvfs connector disabled: %s; the engine runs without it", self.disabled_reason)
-            return
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = spec.block_size
-        self.chunk_size = self.settings.chunk_tokens(self.block_size)
-        self.kv_dtype = spec.dtype
-        self.layout_name = engine_layout(vllm_config, spec)
+        self.workers: list[WorkerSide] = []
+        self._async_parts: dict[str, set[int]] = {}  # hybrid loads in flight: request -> parts still loading
+        self._async_failed: set[str] = set()
+        self.disabled_reason = None
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        try:
+            self.model: ModelKV = describe_model(kv_cache_config, cache_dtype,
+                                                 getattr(vllm_config.model_config, "use_mla", False))
+        except UnsupportedModel as e:
+            if self.settings.unsupported == "disable":
+                self.disabled_reason = str(e)
+                log.warning("kvfs connector disabled: %s; the engine runs without it", e)
+                return
+            raise UnsupportedModel(f"kvfs connector: {e}; refusing to start (set \"unsupported\": \"disable\" "
+                                   "in kv_connector_extra_config to run without kvfs)") from None
+        self.block_size = self.model.parts[0].block_size
+        self.chunk_size = self.settings.chunk_tokens(self.model.chunk_multiple())
+        self.kv_dtype = kv_cache_config.kv_cache_groups[self.model.parts[0].groups[0]].kv_cache_spec.dtype
+        self.layout_names = [engine_layout(vllm_config, self._spec(p), p) for p in self.model.parts]
+        self.layout_name = self.layout_names[0]
         if role == KVConnectorRole.SCHEDULER:
             if self.settings.on_load_error == "recompute":
                 # a cache miss must never fail a request: chunks that fail to load are recomputed
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
             if self.chunk_size % hash_block_size:
-                self.disabled_reason = f"chunk size {self.chunk_size} is not a multiple of the hash block size"
-                log.warning("kvfs connector disabled: %s", self.disabled_reason)
-                return
+                raise UnsupportedModel(f"kvfs connector: chunk size {self.chunk_size} is not a multiple of the "
+                                       f"hash block size {hash_block_size}; refusing to start")
             if (why := compat.salt_isolates(hash_block_size, vllm_config.cache_config.prefix_caching_hash_algo)):
                 # chunk names are block hashes: without the salt in them, tenants would share files
                 raise compat.UnsupportedEngine(f"kvfs connector: {why}, so requests with different cache_salt "
@@ -74,9 +90,13 @@ class KVFSConnector(KVConnectorBase_V1):
                                    prefetch=self.settings.prefetch,
                                    demote_after_idle_s=self.settings.demote_after_idle_s,
                                    tenant_dirs=self.settings.tenant_dirs, tenant_secret=_tenant_secret(self.settings),
-                                   record_blocks=self.settings.record_blocks)
-            log.info("kvfs connector: %s, chunks of %d tokens, layout %s", self.guard.path, self.chunk_size,
-                     self.layout_name)
+                                   record_blocks=self.settings.record_blocks, parts=self.model.parts,
+                                   groups=len(kv_cache_config.kv_cache_groups), asynchronous=self.model.hybrid)
+            log.info("kvfs connector: %s, chunks of %d tokens, %s", self.guard.path, self.chunk_size,
+                     "; ".join(f"{_part_name(p)}: layout {n}" for p, n in zip(self.model.parts, self.layout_names)))
+
+    def _spec(self, part: Part):
+        return self._kv_cache_config.kv_cache_groups[part.groups[0]].kv_cache_spec
 
     # wait_for_layer_load makes the forward stream wait on CUDA events between layers: Python must run there,
     # which full CUDA graphs would skip on replay (vLLM then captures piecewise graphs, attention outside).
@@ -89,7 +109,8 @@ class KVFSConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False
 
-    def _namespaces(self) -> list[str]:
+    def _namespaces(self) -> list[list[str]]:
+        """Per part, one namespace per worker rank (global rank order)."""
         cfg = self._vllm_config
         pc = cfg.parallel_config
         none_hash = compat.none_hash()  # set by the engine core before the first request
@@ -98,30 +119,45 @@ class KVFSConnector(KVConnectorBase_V1):
             log.warning("kvfs connector: hash algorithm %s without PYTHONHASHSEED: block hashes are random per "
                         "process, so no other engine process can reuse these chunks",
                         cfg.cache_config.prefix_caching_hash_algo)
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        plain = len(self.model.parts) == 1 and self.model.parts[0].kind == "full"
+        cache_dtype = self.model.kv_cache_dtype
         out = []
-        for pp_rank in range(pc.pipeline_parallel_size):
-            for tp_rank in range(pc.tensor_parallel_size):
-                key = NamespaceKey(
-                    model=str(cfg.model_config.model), dtype=str(self.kv_dtype).removeprefix("torch."),
-                    num_layers=cfg.model_config.get_total_num_hidden_layers(), num_kv_heads=spec.num_kv_heads,
-                    head_size=spec.head_size, block_size=self.block_size, chunk_size=self.chunk_size,
-                    layout=self.layout_name, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
-                    pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size,
-                    hash_algo=cfg.cache_config.prefix_caching_hash_algo, hash_seed_id=seed_identity(none_hash),
-                    **({} if self.settings.lossy_mode == "none" else {"lossy": self.settings.lossy_mode}))
-                out.append(key.namespace())
+        for part, layout_name in zip(self.model.parts, self.layout_names):
+            spec = self._spec(part)
+            names = []
+            for pp_rank in range(pc.pipeline_parallel_size):
+                for tp_rank in range(pc.tensor_parallel_size):
+                    # a replicated part (MLA's latent) is the same on every TP rank: one file, whatever the TP size
+                    tp = (0, 1) if part.replicated_over_tp else (tp_rank, pc.tensor_parallel_size)
+                    key = NamespaceKey(
+                        model=str(cfg.model_config.model), dtype=str(spec.dtype).removeprefix("torch."),
+                        num_layers=cfg.model_config.get_total_num_hidden_layers(), num_kv_heads=spec.num_kv_heads,
+                        head_size=spec.head_size, block_size=part.block_size, chunk_size=self.chunk_size,
+                        layout=layout_name, tp_rank=tp[0], tp_size=tp[1],
+                        pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size,
+                        hash_algo=cfg.cache_config.prefix_caching_hash_algo, hash_seed_id=seed_identity(none_hash),
+                        **({} if self.settings.lossy_mode == "none" else {"lossy": self.settings.lossy_mode}),
+                        part=None if plain else _part_key(part),
+                        kv_cache_dtype=cache_dtype if self.model.fp8 else None,
+                        backend=self._backend_name(part) if self.model.fp8 else None)
+                    names.append(key.namespace())
+            out.append(names)
         return out
+
+    def _backend_name(self, part: Part) -> str:
+        return engine_layout_of(self._vllm_config, self._spec(part), part).backend
 
     # -- scheduler side ----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.planner is None:
             return 0, False
-        return self.planner.lookup(request, num_computed_tokens), False
+        hit = self.planner.lookup(request, num_computed_tokens)
+        # hybrid models load asynchronously: vLLM takes their load failures per request only
+        return hit, bool(hit) and self.model.hybrid
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self.planner is not None:
-            self.planner.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+            self.planner.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self.planner is None:
@@ -137,114 +173,196 @@ class KVFSConnector(KVConnectorBase_V1):
             self.planner.finished(request.request_id)
         return False, None
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's multi-group form (SupportsHMA): the same, with one block list per KV-cache group."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # -- worker side -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.disabled_reason:
             return
-        names = self._kv_cache_config.kv_cache_groups[0].layer_names
-        ordered = sorted((n for n in names if n in kv_caches), key=_layer_number)
+        rank = compat.worker_rank()
+        writes_replicated = compat.tp_rank() == 0
+        io_cpus = cpus.io_cpus(self.settings.io_cpus)  # after vLLM bound this worker: "auto" compares with it
+        for part, layout_name in zip(self.model.parts, self.layout_names):
+            self.workers.append(self._part_worker(part, layout_name, kv_caches, rank, io_cpus,
+                                                  writes_replicated or not part.replicated_over_tp))
+        self._layer_worker = {name: self.workers[p] for name, (p, _) in self.model.part_of_layer().items()}
+
+    def _part_worker(self, part: Part, layout_name: str, kv_caches: dict[str, torch.Tensor], rank: int,
+                     io_cpus, writes: bool) -> WorkerSide:
+        ordered = [n for n in part.layer_names if n in kv_caches]
+        missing = [n for n in part.layer_names if n not in kv_caches]
+        if missing:
+            raise layouts.UnknownLayout(f"the worker has no KV cache for layers {missing[:3]}; refusing to start")
         tensors = [kv_caches[n] for n in ordered]
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        geometry = layouts.Geometry(len(tensors), spec.num_kv_heads, spec.head_size, self.block_size,
-                                    self.chunk_size, self.kv_dtype)
-        engine = engine_layout_of(self._vllm_config, spec, ordered)
+        spec = self._spec(part)
+        stored_tokens = part.stored_blocks(self.chunk_size) * part.block_size
+        geometry = layouts.Geometry(len(tensors), spec.num_kv_heads, spec.head_size, part.block_size,
+                                    stored_tokens, spec.dtype)
+        engine = engine_layout_of(self._vllm_config, spec, part, ordered)
         chosen = layouts.choose(geometry, tuple(tensors[0].shape), engine)  # UnknownLayout stops the engine
-        if chosen.name != self.layout_name:
+        if chosen.name != layout_name:
             raise layouts.UnknownLayout(
                 f"vLLM {engine.vllm_version}: the worker's KV cache layout is {chosen.name} (backend "
-                f"{engine.backend}), the scheduler expected {self.layout_name}; refusing to start")
+                f"{engine.backend}), the scheduler expected {layout_name}; refusing to start")
         odd = [n for n, t in zip(ordered, tensors) if t.shape != tensors[0].shape or t.device != tensors[0].device]
         if odd:
             raise layouts.UnknownLayout(f"vLLM {engine.vllm_version}: layers {odd[:3]} have other KV cache shapes "
                                         f"or devices than {ordered[0]}; refusing to start")
+        chosen.layer_groups = part.layer_groups
+        chosen.extra = self._descriptor_extra(part, ordered, engine.backend)
         try:
-            chosen.gather(tensors, [0] * geometry.blocks_per_chunk)  # the cache can be read in block order
-        except ValueError as e:
+            chosen.gather(tensors, [[0] * geometry.blocks_per_chunk] * (max(part.layer_groups) + 1))
+        except ValueError as e:  # the cache can be read in block order
             raise layouts.UnknownLayout(f"vLLM {engine.vllm_version}: KV cache of layout {chosen.name} cannot "
                                         f"be copied without a copy of the cache: {e}") from e
-        rank = compat.worker_rank()
-        io_cpus = cpus.io_cpus(self.settings.io_cpus)  # after vLLM bound this worker: "auto" compares with it
         s = self.settings
         readers = s.io_thread_count(tensors[0].is_cuda, len(io_cpus or os.sched_getaffinity(0)))
-        self.worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
-                                 readers, s.max_pending_save_mb << 20, s.direct_reads, s.lossy_mode,
-                                 s.demote_after_idle_s, io_cpus, pinned_bytes=s.pinned_memory_mb << 20,
-                                 device_staging_bytes=s.device_staging_mb << 20, direct_writes=s.direct_writes,
-                                 save_threads=s.save_threads)
-        self.worker.warm_up()
-        log.info("kvfs connector worker: %d layers on %s, layout %s (backend %s, vLLM %s), rank %d, %d reader "
-                 "threads on %s", len(tensors), tensors[0].device, chosen.name, engine.backend, engine.vllm_version,
-                 rank, readers,
-                 "the worker's CPUs" if io_cpus is None else f"CPUs {cpus.format_cpu_list(io_cpus)}")
+        worker = WorkerSide(chosen, tensors, {n: i for i, n in enumerate(ordered)}, rank, self.guard,
+                            readers, s.max_pending_save_mb << 20, s.direct_reads, s.lossy_mode,
+                            s.demote_after_idle_s, io_cpus, pinned_bytes=s.pinned_memory_mb << 20,
+                            device_staging_bytes=s.device_staging_mb << 20, direct_writes=s.direct_writes,
+                            save_threads=s.save_threads, writes=writes,
+                            dtype_hint=FP8_XATTR.get(self.model.kv_cache_dtype, b"fp8_e4m3") if self.model.fp8
+                            else None)
+        worker.warm_up()
+        log.info("kvfs connector worker: %s, %d layers on %s, layout %s (backend %s, vLLM %s), rank %d%s, %d "
+                 "reader threads on %s", _part_name(part), len(tensors), tensors[0].device, chosen.name,
+                 engine.backend, engine.vllm_version, rank, "" if writes else " (reads only: rank 0 writes)",
+                 readers, "the worker's CPUs" if io_cpus is None else f"CPUs {cpus.format_cpu_list(io_cpus)}")
+        return worker
+
+    def _descriptor_extra(self, part: Part, layer_names: list[str], backend: str) -> dict:
+        """What a chunk's descriptor says beyond the layout: nothing for a plain model (its chunks stay what
+        they were); a part's identity for hybrid and MLA models; for fp8 caches the cache dtype, the backend
+        and a digest of every layer's scales, so a chunk saved under other scales is a miss."""
+        extra: dict[str, Any] = {}
+        if not (len(self.model.parts) == 1 and part.kind == "full"):
+            extra["part"] = _part_key(part)
+            extra["chunk_tokens"] = self.chunk_size
+        if self.model.fp8:
+            extra["kv_cache_dtype"] = self.model.kv_cache_dtype
+            extra["backend"] = backend
+            extra["kv_scales"] = self._scales_digest(layer_names)
+        return extra
+
+    def _scales_digest(self, layer_names: list[str]) -> str:
+        scales = compat.layer_kv_scales(self._vllm_config, layer_names)
+        if scales is None:
+            raise UnsupportedModel("kvfs connector: an fp8 KV cache whose layers have no per-tensor k/v scales; "
+                                   "refusing to start")
+        return xxhash.xxh3_128_hexdigest(json.dumps([[k.hex(), v.hex()] for k, v in scales]).encode())
+
+    def _refresh_scales(self) -> None:
+        """fp8 scales the engine computes (calculate_kv_scales) change after start: so does the descriptor."""
+        for worker in self.workers:
+            names = list(worker.layer_index)
+            digest = self._scales_digest(names)
+            if worker.layout.extra.get("kv_scales") != digest:
+                worker.layout.extra["kv_scales"] = digest
+                worker.refresh_descriptor()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if self.worker is not None and isinstance(meta, KVFSMetadata) and meta.loads:
-            self.worker.start_load(meta.loads)
+        if not self.workers or not isinstance(meta, KVFSMetadata):
+            return
+        if self.model.fp8:
+            self._refresh_scales()
+        by_part: list[list[LoadSpec]] = [[] for _ in self.workers]
+        for spec in meta.loads:
+            by_part[spec.part].append(spec)
+            if spec.asynchronous:
+                self._async_parts.setdefault(spec.req_id, set()).add(spec.part)
+        for worker, specs in zip(self.workers, by_part):
+            worker.start_load(specs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.worker is not None:
-            self.worker.wait_layer(layer_name)
+        if self.workers:
+            worker = self._layer_worker.get(layer_name)
+            if worker is not None:
+                worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves happen once per step, in wait_for_save, over all layers
 
     def wait_for_save(self):
         meta = self._connector_metadata
-        if self.worker is None or not isinstance(meta, KVFSMetadata):
+        if not self.workers or not isinstance(meta, KVFSMetadata):
             return
-        self.worker.finish_loads()
+        for worker in self.workers:
+            worker.finish_loads()
         if meta.saves:
-            self.worker.save(meta.saves)
+            for p, worker in enumerate(self.workers):
+                specs = [s for s in meta.saves if s.part == p]
+                if specs:
+                    worker.save(specs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The step's failed blocks, in this step's output: vLLM then drops what the step sampled from them. With
-        defer_finalize (a draft model), vLLM asks before wait_for_save, so the step's loads are settled here."""
-        if self.worker is None:
-            return set()
-        self.worker.finish_loads()  # idempotent: wait_for_save's call then finds nothing left
-        return self.worker.take_failed_blocks()
+        defer_finalize (a draft model), vLLM asks before wait_for_save, so the step's loads are settled here.
+        Hybrid models' loads are asynchronous and fail per request (get_transfer_results)."""
+        failed: set[int] = set()
+        for worker in self.workers:
+            worker.finish_loads()  # idempotent: wait_for_save's call then finds nothing left
+            failed |= worker.take_failed_blocks()
+        return failed
+
+    def _poll_async(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads ended in every part, and those of them with a failed load."""
+        finished: set[str] = set()
+        for p, worker in enumerate(self.workers):
+            done, failed = worker.poll_async()
+            self._async_failed |= failed
+            for req_id in done:
+                parts = self._async_parts.get(req_id)
+                if parts is None:
+                    continue
+                parts.discard(p)
+                if not parts:
+                    del self._async_parts[req_id]
+                    finished.add(req_id)
+        failed_now = finished & self._async_failed
+        self._async_failed -= finished
+        return finished, failed_now
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        finished, _ = self._poll_async()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Hybrid models' loads: finished (and failed) requests. A failed one is recomputed whole by vLLM."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        finished, failed = self._poll_async()
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=finished, failed_recving=failed)
 
     def shutdown(self):
-        if self.worker is not None:
-            self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         if self.planner is not None:
             log.info("kvfs connector: %s", self.planner.stats)
 
 
-def _layer_number(name: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
+def _part_key(part: Part) -> str:
+    """A part's identity, short: kind, block size, window, and a digest of its layer names."""
+    layers = xxhash.xxh3_64_hexdigest("\0".join(part.layer_names).encode())
+    return f"{part.kind}:bs{part.block_size}" + (f":w{part.window}" if part.window else "") + f":{layers}"
 
 
-def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
-    """Why this model or cache layout cannot use the connector (None if it can)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    mc = vllm_config.model_config
-    groups = kv_cache_config.kv_cache_groups
-    if getattr(mc, "use_mla", False) or any(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups):
-        return "MLA attention is not supported"
-    if len(groups) != 1:
-        return f"{len(groups)} KV-cache groups (hybrid or sliding-window models) are not supported"
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
-        return f"KV cache spec {type(spec).__name__} (sliding window or non-attention layers) is not supported"
-    if getattr(mc, "get_sliding_window", lambda: None)():
-        return "sliding-window attention is not supported"
-    if getattr(spec, "head_size_v", None) not in (None, spec.head_size):
-        return "K and V of different head sizes are not supported"
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype != "auto":
-        return f"KV cache dtype {cache_dtype} (quantised KV) is not supported"
-    return None
+def _part_name(part: Part) -> str:
+    return f"{part.kind} attention" + (f" (window {part.window})" if part.window else "") + \
+        f", groups {','.join(map(str, part.groups))}"
 
 
-def engine_layout_of(vllm_config: VllmConfig, spec, layer_names: list[str] | None = None) -> layouts.EngineLayout:
+def engine_layout_of(vllm_config: VllmConfig, spec, part: Part | None = None,
+                     layer_names: list[str] | None = None) -> layouts.EngineLayout:
     """What the engine runs: its attention backend (from the worker's layers where given; on the scheduler
     the configured one, or the platform's) and, on CPU, the kernel ISA."""
     version = compat.vllm_version()
     device = compat.platform_device_type()
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    mla = part is not None and part.kind == "mla"
     if layer_names:
         backends = {compat.attention_backend(vllm_config, n) for n in layer_names}
         if len(backends) != 1:
@@ -252,11 +370,13 @@ def engine_layout_of(vllm_config: VllmConfig, spec, layer_names: list[str] | Non
                                         f"{sorted(backends)}; refusing to start")
         backend = backends.pop()
     elif device == "cpu":
-        backend = "CPU_ATTN"
+        backend = "CPU_MLA" if mla else "CPU_ATTN"
     else:  # the scheduler: the worker checks that its backend gives the same layout
         configured = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        backend = getattr(configured, "name", None) or (str(configured) if configured else "FLASH_ATTN")
-    isa = compat.cpu_attention_isa(spec, cache_dtype) if backend == "CPU_ATTN" else None
+        backend = getattr(configured, "name", None) or (str(configured) if configured else
+                                                        "FLASHMLA" if mla else "FLASH_ATTN")
+    isa = compat.cpu_attention_isa(spec, cache_dtype, vllm_config.model_config.dtype) \
+        if backend == "CPU_ATTN" else None
     return layouts.EngineLayout(backend, isa, version)
 
 
@@ -270,6 +390,6 @@ def _tenant_secret(settings: Settings) -> bytes | None:
     return secret
 
 
-def engine_layout(vllm_config: VllmConfig, spec) -> str:
+def engine_layout(vllm_config: VllmConfig, spec, part: Part | None = None) -> str:
     """The byte order of the engine's chunk payloads, as a name (part of the namespace)."""
-    return engine_layout_of(vllm_config, spec).layout_name()
+    return engine_layout_of(vllm_config, spec, part).layout_name()

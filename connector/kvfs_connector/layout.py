@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,9 @@ class ChunkLayout:
     def __init__(self, geometry: Geometry, block_shape: tuple[int, ...]) -> None:
         self.g = geometry
         self.block_shape = tuple(block_shape)  # per-layer tensor shape without the block dimension
+        # per layer: which of the part's KV-cache groups (block tables) it belongs to (model.Part.layer_groups)
+        self.layer_groups: tuple[int, ...] = (0,) * geometry.num_layers
+        self.extra: dict = {}  # what else the descriptor says (the part, a window, fp8 scales...)
 
     @property
     def block_elements(self) -> int:
@@ -112,7 +115,8 @@ class ChunkLayout:
         g = self.g
         return {"layout": self.name, "dtype": str(g.dtype).removeprefix("torch."), "layers": g.num_layers,
                 "kv_heads": g.num_kv_heads, "head_size": g.head_size, "block_size": g.block_size,
-                "chunk_size": g.chunk_size, "block_shape": list(self.block_shape), "order": self.order}
+                "chunk_size": g.chunk_size, "block_shape": list(self.block_shape), "order": self.order,
+                **self.extra}
 
     def shape_hint(self, payload_offset: int) -> str:
         g = self.g
@@ -128,24 +132,35 @@ class ChunkLayout:
         self.gather_into(kv_layers, block_ids, out)
         return out
 
-    def gather_into(self, kv_layers: list[torch.Tensor], block_ids: list[int], out: torch.Tensor) -> None:
-        """Copy the chunk's blocks, every layer, into `out` (payload order, on the cache's device)."""
-        ids = self.index(block_ids, kv_layers[0].device)
+    def gather_into(self, kv_layers: list[torch.Tensor], block_ids, out: torch.Tensor) -> None:
+        """Copy the chunk's blocks, every layer, into `out` (payload order, on the cache's device). block_ids:
+        one list for every layer, or one list per KV-cache group of the part (layer_groups picks)."""
+        ids = self.group_index(block_ids, kv_layers[0].device)
         for layer, kv in enumerate(kv_layers):
-            self.gather_layer(kv, ids, self.layer_slice(out, layer))
+            self.gather_layer(kv, ids[self.layer_groups[layer]], self.layer_slice(out, layer))
 
-    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids: list[int], first: int,
+    def scatter(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, block_ids, first: int,
                 end: int) -> None:
         """Write blocks `first..end` of a chunk (payload order), every layer, into `block_ids[first:end]`."""
-        for _ in self.scatter_layers(kv_layers, payload, self.index(block_ids, kv_layers[0].device), first, end):
+        ids = self.group_index(block_ids, kv_layers[0].device)
+        for _ in self.scatter_layers(kv_layers, payload, ids, first, end):
             pass
 
-    def scatter_layers(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, ids, first: int,
+    def scatter_layers(self, kv_layers: list[torch.Tensor], payload: torch.Tensor, ids: list, first: int,
                        end: int) -> Iterator[int]:
-        """scatter, a layer at a time: yields each layer once its copies are done (or queued, on a GPU)."""
+        """scatter, a layer at a time (ids: group_index's): yields each layer once its copies are done (or
+        queued, on a GPU)."""
         for layer, kv in enumerate(kv_layers):
-            self.scatter_layer(kv, self.layer_slice(payload, layer), ids, first, end)
+            self.scatter_layer(kv, self.layer_slice(payload, layer), ids[self.layer_groups[layer]], first, end)
             yield layer
+
+    def group_index(self, block_ids, device: torch.device) -> list:
+        """index() of each group's block ids: [ids] for a flat list. Block 0 is vLLM's null block (positions
+        outside a sliding window): it is never read into a file nor written from one."""
+        groups = block_ids if len(block_ids) and isinstance(block_ids[0], (list, tuple)) else [block_ids]
+        if len(groups) != max(self.layer_groups) + 1:
+            raise ValueError(f"{len(groups)} block tables for a part of {max(self.layer_groups) + 1} groups")
+        return [self.index(list(ids), device) for ids in groups]
 
     def batch_sources(self, flat: torch.Tensor, n: int):
         """n whole chunks' payloads, back to back in `flat`, as scatter_batch_layer reads them."""
@@ -242,9 +257,9 @@ class TokenKVLayout(ChunkLayout):
         g = self.g
         parts = payload.view(g.num_layers, 2, g.num_kv_heads, g.head_size, g.blocks_per_chunk, g.block_size)
         parts = parts[:, :, :, :, first:end].permute(0, 4, 2, 5, 1, 3)  # [layer, n, H, bs, kv, D]
-        ids = ids[first:end]
+        ids = [i[first:end] for i in ids]
         for layer, kv in enumerate(kv_layers):
-            self._split(kv).index_copy_(0, ids, parts[layer])
+            self._split(kv).index_copy_(0, ids[self.layer_groups[layer]], parts[layer])
             yield layer
 
     def batch_sources(self, flat, n):
@@ -255,6 +270,48 @@ class TokenKVLayout(ChunkLayout):
         g = self.g
         part = sources[:, layer].permute(0, 4, 2, 5, 1, 3).reshape(-1, g.num_kv_heads, g.block_size, 2, g.head_size)
         self._split(kv).index_copy_(0, ids, part)
+
+
+class MlaLayout(ChunkLayout):
+    """MLA: one latent per token and layer (kv_lora_rank + rope dims, e.g. 512 + 64 = 576), no K/V split and
+    no heads. vLLM's MLA backends (CPU_MLA, FLASHMLA, CUTLASS_MLA, TRITON_MLA, FLASHINFER_MLA, FLASH_ATTN_MLA)
+    all hold `[num_blocks, block_size, latent]`. The payload is channel-major per layer, [latent][tokens]: one
+    channel over all the chunk's tokens is contiguous. torch copies on the cache's device."""
+
+    name = "mla-latent"
+    order = "layer,channel,token"
+
+    def __init__(self, geometry: Geometry, block_shape: tuple[int, ...]) -> None:
+        super().__init__(geometry, block_shape)
+        g = geometry
+        if self.block_shape not in ((g.block_size, g.head_size), (1, g.block_size, g.head_size)):
+            raise UnknownLayout(f"unexpected MLA KV block shape {self.block_shape}")
+
+    def shape_hint(self, payload_offset: int) -> str:
+        g = self.g
+        return f"offset={payload_offset} layer={g.num_layers} channel={g.head_size} token={g.chunk_size}"
+
+    def _blocks(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv if kv.dim() == 3 else kv.select(1, 0)  # [blocks, bs, latent]: a view
+
+    def _payload(self, flat: torch.Tensor) -> torch.Tensor:
+        g = self.g
+        return flat.view(g.head_size, g.blocks_per_chunk, g.block_size)  # latent, block, token
+
+    def gather_layer(self, kv, ids, out):
+        self._payload(out).copy_(self._blocks(kv).index_select(0, ids).permute(2, 0, 1))
+
+    def scatter_layer(self, kv, src, ids, first, end):
+        self._blocks(kv).index_copy_(0, ids[first:end], self._payload(src)[:, first:end].permute(1, 2, 0))
+
+    def batch_sources(self, flat, n):
+        g = self.g
+        return flat.view(n, g.num_layers, g.head_size, g.blocks_per_chunk, g.block_size)
+
+    def scatter_batch_layer(self, kv, sources, layer, ids):
+        g = self.g
+        part = sources[:, layer].permute(0, 2, 3, 1).reshape(-1, g.block_size, g.head_size)
+        self._blocks(kv).index_copy_(0, ids, part)
 
 
 class BlockBytesLayout(ChunkLayout):
@@ -288,6 +345,7 @@ class BlockBytesLayout(ChunkLayout):
 
 
 TOKEN_KV_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+MLA_BACKENDS = ("CPU_MLA", "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")
 VEC_ISAS = ("vec",)  # the portable kernels' packing, verified bit-exact; other ISAs: opaque block bytes
 
 
@@ -307,6 +365,8 @@ class EngineLayout:
     def layout_name(self) -> str:
         """The layout the connector would use, or UnknownLayout. The same answer on the scheduler and the
         worker, so it names the namespace."""
+        if self.backend in MLA_BACKENDS:
+            return MlaLayout.name
         if self.backend == "CPU_ATTN":
             if self.isa in VEC_ISAS:
                 return CpuVecLayout.name
@@ -317,7 +377,8 @@ class EngineLayout:
         raise UnknownLayout(
             f"vLLM {self.vllm_version}: attention backend {self.backend}"
             + (f" (ISA {self.isa})" if self.isa else "")
-            + f" has a KV cache layout kvfs_connector does not know (known: CPU_ATTN, {', '.join(TOKEN_KV_BACKENDS)});"
+            + f" has a KV cache layout kvfs_connector does not know (known: CPU_ATTN, "
+            f"{', '.join(TOKEN_KV_BACKENDS + MLA_BACKENDS)});"
             " refusing to start rather than guess where its blocks are")
 
 
@@ -325,6 +386,13 @@ def choose(geometry: Geometry, tensor_shape: tuple[int, ...], engine: EngineLayo
     """The layout for this engine's cache tensors (shape of one layer's tensor), or UnknownLayout."""
     name = engine.layout_name()
     g = geometry
+    if name == MlaLayout.name:
+        if len(tensor_shape) not in (3, 4) or tuple(tensor_shape[-2:]) != (g.block_size, g.head_size):
+            raise UnknownLayout(
+                f"vLLM {engine.vllm_version}: MLA backend {engine.backend} gave a KV cache tensor of shape "
+                f"{tuple(tensor_shape)}; kvfs_connector knows [num_blocks, block size {g.block_size}, latent "
+                f"{g.head_size}] and refuses to start rather than guess")
+        return MlaLayout(geometry, tuple(tensor_shape[1:]))
     expected = (g.num_kv_heads, g.block_size, 2 * g.head_size)  # [blocks, H, bs, content] (RFC #42082)
     if len(tensor_shape) != 4 or tuple(tensor_shape[1:]) != expected:
         raise UnknownLayout(

@@ -36,9 +36,15 @@ class NamespaceKey:
     hash_algo: str
     hash_seed_id: str  # digest of vLLM's NONE_HASH: chained hashes are only comparable under the same seed
     lossy: str = "lossless"
+    # set only where they apply, so that a plain model's namespace is what it always was:
+    part: str | None = None  # which part of a hybrid or MLA model's KV (model.Part.describe), as JSON
+    kv_cache_dtype: str | None = None  # quantised caches: vLLM's cache dtype (fp8_e4m3, ...)
+    backend: str | None = None  # quantised caches: the attention backend (its bit convention, vLLM PR #54341)
 
     def digest(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = {k: v for k, v in dataclasses.asdict(self).items()
+                  if v is not None or k not in ("part", "kv_cache_dtype", "backend")}
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def readable_model(self) -> str:

@@ -14,8 +14,11 @@ from kvfs.events import BlockRecord, encode_record
 
 from . import compat, files
 from .chunkfile import token_digest
+from .model import Part, restorable, window_blocks_needed
 from .mount import MountGuard
 from .naming import chunk_relpath, tenant_dir
+
+NULL_BLOCK = 0  # vLLM's null block: skipped positions (outside a sliding window); never stored or loaded
 
 log = logging.getLogger("vllm.kvfs_connector")
 
@@ -25,11 +28,18 @@ class LoadSpec:
     req_id: str
     paths: list[str]  # one per worker (global rank order); each worker reads its own
     first_token: int  # the chunk's first token
-    n_tokens: int  # tokens in the chunk file (the chunk size)
+    n_tokens: int  # tokens in the chunk (the chunk size)
     token_digest: bytes  # of the request's tokens [0, first_token + n_tokens)
-    block_ids: list[int]  # the chunk's blocks in the request's block table
-    first_block: int  # blocks before this one are computed already (vLLM's own prefix cache)
+    block_ids: list[int]  # the blocks the file holds, in the request's block table (the part's first group)
+    first_block: int  # blocks before this one are computed already (vLLM's own prefix cache), or skipped
     end_block: int  # blocks from here on are not loaded (the hit ends inside this chunk)
+    part: int = 0  # which part of the model's KV (model.Part) the file holds
+    group_block_ids: list[list[int]] | None = None  # per group of the part, when it has several
+    asynchronous: bool = False  # a hybrid model's load: finished through get_finished, not layer by layer
+
+    @property
+    def groups(self) -> list[list[int]]:
+        return self.group_block_ids if self.group_block_ids is not None else [self.block_ids]
 
 
 @dataclasses.dataclass
@@ -41,27 +51,52 @@ class SaveSpec:
     token_digest: bytes
     block_ids: list[int]
     blocks: bytes | None = None  # kvfs.events.BlockRecord of the chunk (user.kvfs.blocks on rank 0's file)
+    part: int = 0
+    group_block_ids: list[list[int]] | None = None
+
+    @property
+    def groups(self) -> list[list[int]]:
+        return self.group_block_ids if self.group_block_ids is not None else [self.block_ids]
 
 
 @dataclasses.dataclass
 class RequestState:
     request: object  # vllm.v1.request.Request (kept by the scheduler until it finishes)
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    group_ids: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])  # per vLLM KV-cache group
     next_chunk: int = 0  # chunks before this one exist or were queued for saving
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_ids[0]
+
+
+def per_group(block_ids, groups: int) -> list[list[int]]:
+    """vLLM's block ids of a request as one list per KV-cache group (it hands a tuple of lists; a plain list
+    is one group's)."""
+    if not block_ids:
+        return [[] for _ in range(groups)]
+    if not isinstance(block_ids[0], (list, tuple)):
+        return [list(block_ids)]
+    return [list(ids) for ids in block_ids]
 
 
 class Planner:
-    def __init__(self, *, mount: str, namespaces: Callable[[], Sequence[str]], block_size: int, hash_block_size: int,
+    def __init__(self, *, mount: str, namespaces: Callable[[], Sequence], block_size: int, hash_block_size: int,
                  chunk_size: int, save_decode: bool, guard: MountGuard, prefetch: bool = False,
                  demote_after_idle_s: int = 0, tenant_dirs: bool = False, tenant_secret: bytes | None = None,
-                 record_blocks: bool = True) -> None:
+                 record_blocks: bool = True, parts: Sequence[Part] | None = None, groups: int = 1,
+                 asynchronous: bool = False) -> None:
         self.mount = mount
         self.record_blocks = record_blocks
         self.tenant_dirs = tenant_dirs  # salted requests' chunks under a directory per tenant (naming.tenant_dir)
         self.tenant_secret = tenant_secret
         self._namespace_factory = namespaces  # called once, on first use: vLLM seeds its hashes after init
-        self._namespaces: list[str] | None = None
+        self._namespaces: list[list[str]] | None = None
         self.block_size = block_size
+        self.parts = list(parts) if parts else [Part("full", (0,), (), (), block_size, 0, 0)]
+        self.groups = groups  # vLLM's KV-cache groups (block tables per request)
+        self.asynchronous = asynchronous  # hybrid models: loads finish through get_finished (vLLM's rule)
+        self.has_window = any(p.kind == "window" for p in self.parts)
         self.hash_block_size = hash_block_size
         self.chunk_size = chunk_size
         self.save_decode = save_decode
@@ -73,19 +108,20 @@ class Planner:
         self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (chunks found, locally computed tokens)
         self._loads: list[LoadSpec] = []
         self.stats = {"lookups": 0, "hit_tokens": 0, "queried_tokens": 0, "prefetched_chunks": 0,
-                      "idle_marked_chunks": 0}
+                      "idle_marked_chunks": 0, "unsaveable_chunks": 0}
 
     # -- names -----------------------------------------------------------------------------------------
     @property
-    def namespaces(self) -> list[str]:
-        """One per worker rank."""
+    def namespaces(self) -> list[list[str]]:
+        """Per part, one per worker rank."""
         if self._namespaces is None:
-            self._namespaces = list(self._namespace_factory())
-            log.info("kvfs connector: namespace %s", " ".join(self._namespaces))
+            made = list(self._namespace_factory())
+            self._namespaces = [list(made)] if made and isinstance(made[0], str) else [list(m) for m in made]
+            log.info("kvfs connector: namespace %s", " ".join(ns for part in self._namespaces for ns in part))
         return self._namespaces
 
-    def chunk_paths(self, request, chunk: int) -> list[str] | None:
-        """Paths of chunk `chunk` for every rank, or None if its last block has no hash yet."""
+    def chunk_paths(self, request, chunk: int, part: int = 0) -> list[str] | None:
+        """Paths of chunk `chunk` of a part for every rank, or None if its last block has no hash yet."""
         last_token = (chunk + 1) * self.chunk_size
         hashes = request.block_hashes
         i = last_token // self.hash_block_size - 1
@@ -93,13 +129,25 @@ class Planner:
             return None
         salt = getattr(request, "cache_salt", None) if self.tenant_dirs else None
         tenant = tenant_dir(salt, self.tenant_secret) if salt else None
-        return [os.path.join(self.mount, chunk_relpath(ns, bytes(hashes[i]), tenant)) for ns in self.namespaces]
+        return [os.path.join(self.mount, chunk_relpath(ns, bytes(hashes[i]), tenant))
+                for ns in self.namespaces[part]]
+
+    def all_chunk_paths(self, request, chunk: int) -> list[str] | None:
+        """Every part's paths of a chunk (all ranks): a chunk is stored when all of them exist."""
+        out: list[str] = []
+        for part in range(len(self.parts)):
+            paths = self.chunk_paths(request, chunk, part)
+            if paths is None:
+                return None
+            out.extend(dict.fromkeys(paths))  # a replicated part names one file for every rank
+        return out
 
     # -- lookups ---------------------------------------------------------------------------------------
     def lookup(self, request, num_computed_tokens: int) -> int:
         """Tokens beyond num_computed_tokens that chunk files can provide: whole chunks inside the prompt, but
         never the last prompt token (vLLM must compute at least one token to sample from). The hit may end
-        inside a block: its slots beyond the hit are written by the load and again by vLLM's own compute."""
+        inside a block: its slots beyond the hit are written by the load and again by vLLM's own compute.
+        With sliding-window parts, a hit must also be restorable in their windows (whole chunks otherwise)."""
         prompt_len = len(request.prompt_token_ids or ())
         limit = prompt_len - 1
         found = 0
@@ -108,8 +156,10 @@ class Planner:
             if self.prefetch and found and request.request_id not in self._prefetched:
                 self._prefetched.add(request.request_id)
                 self._prefetch(request, found)
-        self._hits[request.request_id] = (found, num_computed_tokens)
         hit = min(found * self.chunk_size, limit)
+        if self.has_window and not restorable(self.parts, hit, found, self.chunk_size):
+            hit = min(found, limit // self.chunk_size) * self.chunk_size
+        self._hits[request.request_id] = (-(-hit // self.chunk_size), num_computed_tokens)
         self.stats["lookups"] += 1
         self.stats["queried_tokens"] += prompt_len
         return max(0, hit - num_computed_tokens)
@@ -117,7 +167,7 @@ class Planner:
     def _count_existing(self, request, limit: int) -> int:
         chunks = -(-limit // self.chunk_size)
         for k in range(chunks):
-            paths = self.chunk_paths(request, k)
+            paths = self.all_chunk_paths(request, k)
             try:
                 if paths is None or not all(files.exists(p) for p in paths):
                     return k
@@ -126,27 +176,50 @@ class Planner:
                 return k
         return chunks
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """After vLLM allocated blocks: remember the request, and plan its loads."""
+    def allocated(self, request, block_ids, num_external_tokens: int) -> None:
+        """After vLLM allocated blocks (one list per KV-cache group): remember the request, plan its loads."""
         req_id = request.request_id
         state = self.requests.setdefault(req_id, RequestState(request))
-        state.block_ids = list(block_ids)
+        state.group_ids = per_group(block_ids, self.groups)
         found, local = self._hits.pop(req_id, (0, 0))  # local: vLLM's own prefix cache hit, block-aligned
         state.next_chunk = max(state.next_chunk, found)  # those exist: never saved again
         if num_external_tokens <= 0:
             return
         hit = local + num_external_tokens
-        C, bs = self.chunk_size, self.block_size
-        per_chunk = C // bs
-        for k in range(local // C, -(-hit // C)):
-            start = k * C
-            paths = self.chunk_paths(request, k)
-            assert paths is not None  # the lookup found it
-            blocks = state.block_ids[k * per_chunk:(k + 1) * per_chunk]
-            self._loads.append(LoadSpec(
-                req_id, paths, start, C, token_digest(request.all_token_ids[:start + C]), blocks,
-                first_block=max(0, (local - start) // bs), end_block=min(per_chunk, -(-(hit - start) // bs))))
+        C = self.chunk_size
+        for k in range(local // C if not self.has_window else 0, -(-hit // C)):
+            for p, part in enumerate(self.parts):
+                spec = self._load_spec(request, state, k, p, part, local, hit)
+                if spec is not None:
+                    self._loads.append(spec)
         self.stats["hit_tokens"] += num_external_tokens
+
+    def _load_spec(self, request, state: RequestState, k: int, p: int, part: Part, local: int,
+                   hit: int) -> LoadSpec | None:
+        """The load of part `p` of chunk `k`, or None when the hit needs none of its blocks."""
+        C, bs = self.chunk_size, part.block_size
+        per_chunk, tail = part.blocks_per_chunk(C), part.stored_blocks(C)
+        base = k * per_chunk + per_chunk - tail  # the first block the file holds
+        first = max(0, (local - k * C) // bs)  # blocks vLLM's own prefix cache computed
+        first = max(first, per_chunk - tail)
+        end = min(per_chunk, -(-(hit - k * C) // bs))
+        if part.kind == "window":
+            need_first, need_end = window_blocks_needed(part, hit)
+            first = max(first, need_first - k * per_chunk)
+            end = min(end, need_end - k * per_chunk)
+        if end <= first:
+            return None
+        groups = [state.group_ids[g][base:base + tail] for g in part.groups]
+        first, end = first - (per_chunk - tail), end - (per_chunk - tail)  # within the file's blocks
+        paths = self.chunk_paths(request, k, p)
+        assert paths is not None  # the lookup found it
+        bad = any(len(ids) < end or NULL_BLOCK in ids[first:end] for ids in groups)
+        if bad:  # vLLM's block table disagrees with the window rule: fail the load, never write block 0
+            log.warning("kvfs connector: request %s: part %s of chunk %d maps to the null block; recomputed",
+                        request.request_id, part.kind, k)
+        return LoadSpec(request.request_id, [] if bad else paths, k * C, C,
+                        token_digest(request.all_token_ids[:k * C + C]), groups[0], first, end, p,
+                        groups if len(groups) > 1 else None, self.asynchronous)
 
     # -- per step --------------------------------------------------------------------------------------
     def step(self, scheduler_output) -> tuple[list[LoadSpec], list[SaveSpec]]:
@@ -156,11 +229,11 @@ class Planner:
         # preemptions first: a request preempted and resumed in one step comes back below with its new blocks
         for req_id in so.preempted_req_ids or ():
             if req_id in self.requests:
-                self.requests[req_id].block_ids = []
+                self.requests[req_id].group_ids = per_group(None, self.groups)
         for new in so.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.group_ids = per_group(new.block_ids, self.groups)
                 computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         resumed = compat.resumed_req_ids(cached)
@@ -170,21 +243,22 @@ class Planner:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.group_ids = per_group(new_ids, self.groups)
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.group_ids, per_group(new_ids, self.groups)):
+                    ids.extend(more)
             computed[req_id] = cached.num_computed_tokens[i]
         saves = []
         for req_id, done in computed.items():
-            saves.extend(self._saves_for(self.requests[req_id], done + so.num_scheduled_tokens.get(req_id, 0)))
+            saves.extend(self._saves_for(self.requests[req_id], done + so.num_scheduled_tokens.get(req_id, 0),
+                                         done))
         loads, self._loads = self._loads, []
         return loads, saves
 
-    def _saves_for(self, state: RequestState, kv_tokens: int) -> list[SaveSpec]:
-        """Chunks whose every token has KV in the cache once this step has run."""
+    def _saves_for(self, state: RequestState, kv_tokens: int, done: int = 0) -> list[SaveSpec]:
+        """Chunks whose every token has KV in the cache once this step has run (every part of them)."""
         request = state.request
         C = self.chunk_size
-        per_chunk = C // self.block_size
         prompt_len = len(request.prompt_token_ids or ())
         out = []
         while (state.next_chunk + 1) * C <= kv_tokens:
@@ -192,16 +266,40 @@ class Planner:
             end = (k + 1) * C
             if end > prompt_len and not self.save_decode:
                 break
-            paths = self.chunk_paths(request, k)
-            blocks = state.block_ids[k * per_chunk:(k + 1) * per_chunk]
-            if paths is None or len(blocks) < per_chunk or len(request.all_token_ids) < end:
-                break  # hash or blocks not there yet (asynchronous scheduling): try next step
-            out.append(SaveSpec(request.request_id, paths, k * C, C, token_digest(request.all_token_ids[:end]),
-                                blocks, self.block_record(request, k) if self.record_blocks else None))
+            paths = [self.chunk_paths(request, k, p) for p in range(len(self.parts))]
+            if paths[0] is None or len(request.all_token_ids) < end:
+                break  # hash not there yet (asynchronous scheduling): try next step
+            specs = [self._save_spec(request, state, k, p, part, paths[p], done)
+                     for p, part in enumerate(self.parts)]
+            if not all(isinstance(s, SaveSpec) for s in specs):
+                if "later" in specs:
+                    break  # blocks not there yet
+                self.stats["unsaveable_chunks"] += 1  # a window's blocks were freed already: never complete
+                state.next_chunk += 1
+                continue
+            if self.record_blocks:
+                specs[0].blocks = self.block_record(request, k, self.parts[0].groups[0])
+            out.extend(specs)
             state.next_chunk += 1
         return out
 
-    def block_record(self, request, chunk: int) -> bytes:
+    def _save_spec(self, request, state: RequestState, k: int, p: int, part: Part, paths: list[str],
+                   done: int):
+        C, bs = self.chunk_size, part.block_size
+        per_chunk, tail = part.blocks_per_chunk(C), part.stored_blocks(C)
+        base = k * per_chunk + per_chunk - tail
+        groups = [state.group_ids[g][base:base + tail] for g in part.groups]
+        if any(len(ids) < tail for ids in groups):
+            return "later" if all(len(state.group_ids[g]) < (k + 1) * per_chunk for g in part.groups) else None
+        # vLLM frees window blocks wholly below done - window + 1 at the start of a step: older ids are stale
+        if part.kind == "window" and (base + 1) * bs <= done - part.window + 1:
+            return None
+        if any(NULL_BLOCK in ids for ids in groups):
+            return None
+        return SaveSpec(request.request_id, paths, k * C, C, token_digest(request.all_token_ids[:(k + 1) * C]),
+                        groups[0], None, p, groups if len(groups) > 1 else None)
+
+    def block_record(self, request, chunk: int, group: int | None = None) -> bytes:
         """The vLLM blocks chunk `chunk` holds, as vLLM's own BlockStored describes them (kvfs/events.py):
         kvfs announces them to routers in the tier the file is in."""
         per_hash = self.hash_block_size
@@ -214,13 +312,14 @@ class Planner:
             parent_block_hash=compat.external_block_hash(hashes[first - 1]) if first else None,
             token_ids=list(request.all_token_ids[start:start + self.chunk_size]),
             block_size=per_hash, lora_name=lora.name if lora is not None else None,
-            extra_keys=compat.event_extra_keys(request, start, start + self.chunk_size, per_hash)))
+            extra_keys=compat.event_extra_keys(request, start, start + self.chunk_size, per_hash),
+            group_idx=group if self.groups > 1 else None))
 
     def _prefetch(self, request, chunks: int) -> None:
         """Chunks a request will load go to kvfs's fastest tier in the background: a request waiting for
         blocks finds them in L2, not on disk or in the object store."""
         for k in range(chunks):
-            for path in self.chunk_paths(request, k) or ():
+            for path in self.all_chunk_paths(request, k) or ():
                 self.stats["prefetched_chunks"] += files.request(path, files.XA_PREFETCH, b"1")
 
     def finished(self, req_id: str) -> None:
@@ -235,5 +334,5 @@ class Planner:
         (kvfs's idle policy): idle → offloaded; a returning session reads them back (promotion)."""
         value = str(self.demote_after_idle_s).encode()
         for k in range(state.next_chunk):
-            for path in self.chunk_paths(state.request, k) or ():
+            for path in self.all_chunk_paths(state.request, k) or ():
                 self.stats["idle_marked_chunks"] += files.request(path, files.XA_IDLE, value)

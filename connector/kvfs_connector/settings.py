@@ -35,6 +35,7 @@ class Settings:
     tenant_dirs: bool = False  # a request with a cache_salt keeps its chunks under <mount>/tenant-<hmac of salt>/
     tenant_dir_secret_file: str | None = None  # the HMAC key of those names (a file; recommended with tenant_dirs)
     record_blocks: bool = True  # a chunk's vLLM block hashes and tokens in user.kvfs.blocks: kvfs's KV events
+    unsupported: str = "fail"  # a model or cache the connector cannot store: "fail" (refuse at start) or "disable"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -46,6 +47,8 @@ class Settings:
         if not extra.get("mount"):
             raise ValueError('kvfs connector: kv_connector_extra_config needs "mount" (the kvfs mount point)')
         s = cls(**extra)
+        if s.unsupported not in ("fail", "disable"):
+            raise ValueError(f'kvfs connector: unsupported must be "fail" or "disable", not {s.unsupported!r}')
         if s.on_load_error not in ("recompute", "fail"):
             raise ValueError(f'kvfs connector: on_load_error must be "recompute" or "fail", not {s.on_load_error!r}')
         if s.chunk_size is not None and (not isinstance(s.chunk_size, int) or s.chunk_size <= 0):

@@ -80,7 +80,7 @@ class HostCopies:
         item.done(events): one event per layer, the last of which also tells when the payload's buffer may
         be reused; or item.done(None, error)."""
         try:
-            ids = self.layout.index(item.block_ids, item.payload.device)
+            ids = self.layout.group_index(item.block_ids, item.payload.device)
             for _ in self.layout.scatter_layers(self.kv_layers, item.payload, ids, item.first, item.end):
                 pass
         except Exception as e:
@@ -95,7 +95,7 @@ class HostCopies:
 @dataclasses.dataclass(eq=False)  # compared by identity (its payload is a tensor)
 class LoadCopy:
     payload: torch.Tensor  # the verified chunk's payload, in host memory (pinned on a GPU worker)
-    block_ids: list[int]
+    block_ids: list  # one list, or one per KV-cache group of the part (LoadSpec.groups)
     first: int
     end: int
     after: object  # the forward stream's event as of start_load
@@ -204,17 +204,23 @@ class CudaCopies(HostCopies):
         for k, item in enumerate(whole + partial):
             self.load_staging[k * E:(k + 1) * E].copy_(item.payload, non_blocking=True)
         sources = lay.batch_sources(self.load_staging[:len(whole) * E], len(whole)) if whole else None
-        ids = lay.index([i for b in whole for i in b.block_ids], self.device) if whole else None
+        groups = max(lay.layer_groups) + 1
+        ids = [lay.index([i for b in whole for i in _groups(b.block_ids)[g]], self.device)
+               for g in range(groups)] if whole else None
         parts = [(self.load_staging[(len(whole) + j) * E:(len(whole) + j + 1) * E],
-                  lay.index(b.block_ids, self.device), b.first, b.end) for j, b in enumerate(partial)]
+                  lay.group_index(b.block_ids, self.device), b.first, b.end) for j, b in enumerate(partial)]
         events = []
         for layer, kv in enumerate(self.kv_layers):
             if whole:
-                lay.scatter_batch_layer(kv, sources, layer, ids)
+                lay.scatter_batch_layer(kv, sources, layer, ids[lay.layer_groups[layer]])
             for src, pids, first, end in parts:
-                lay.scatter_layer(kv, lay.layer_slice(src, layer), pids, first, end)
+                lay.scatter_layer(kv, lay.layer_slice(src, layer), pids[lay.layer_groups[layer]], first, end)
             events.append(self._event(self.load_stream))
         return events
+
+
+def _groups(block_ids) -> list:
+    return block_ids if len(block_ids) and isinstance(block_ids[0], (list, tuple)) else [block_ids]
 
 
 def for_cache(layout: ChunkLayout, kv_layers: list[torch.Tensor], staging_bytes: int) -> HostCopies:

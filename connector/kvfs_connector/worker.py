@@ -58,11 +58,11 @@ class WorkerSide:
                  direct_reads: bool = True, lossy: str = "none", idle_s: int = 0,
                  io_cpus: frozenset[int] | None = None, pinned_bytes: int = PINNED_MB << 20,
                  device_staging_bytes: int = DEVICE_STAGING_MB << 20, direct_writes: bool = True,
-                 save_threads: int = 2) -> None:
+                 save_threads: int = 2, writes: bool = True, dtype_hint: bytes | None = None) -> None:
         self.layout = layout
-        self.descriptor = layout.descriptor()
-        if lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
-            self.descriptor["lossy"] = lossy
+        self.lossy = lossy
+        self.writes = writes  # False on the ranks that only read a replicated part (MLA beyond TP rank 0)
+        self.descriptor = self._descriptor()
         self.kv_layers = kv_layers
         self.layer_index = layer_index
         self.rank = rank
@@ -90,17 +90,29 @@ class WorkerSide:
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._loads: list[_Load] = []
+        self._async: dict[str, list[_Load]] = {}  # hybrid models' loads, per request, until get_finished
         self._layers_waited: set[int] = set()
         self._failed_blocks: set[int] = set()
         self.stats = collections.Counter()
         self._warned: set[str] = set()
         self.xattrs = {files.XA_SHAPE: layout.shape_hint(chunkfile.HEADER_SIZE).encode()}
-        if layout.g.dtype in DTYPE_XATTR:
-            self.xattrs[files.XA_DTYPE] = DTYPE_XATTR[layout.g.dtype]
+        if dtype_hint or layout.g.dtype in DTYPE_XATTR:
+            self.xattrs[files.XA_DTYPE] = dtype_hint or DTYPE_XATTR[layout.g.dtype]
         if lossy != "none":
             self.xattrs[files.XA_LOSSY] = lossy.encode()
         if idle_s:  # saved chunks carry the idle policy from the start: saves still in flight at finish too
             self.xattrs[files.XA_IDLE] = str(idle_s).encode()
+
+    def _descriptor(self) -> dict:
+        out = self.layout.descriptor()
+        if self.lossy != "none":  # kvfs returns other values than were written: chunkfile skips the payload checksum
+            out["lossy"] = self.lossy
+        return out
+
+    def refresh_descriptor(self) -> None:
+        """The layout's descriptor again (fp8 scales computed by the engine after start change it): chunks
+        saved under other scales are then a miss, never loaded."""
+        self.descriptor = self._descriptor()
 
     def warm_up(self) -> threading.Thread:
         """Fill the readers' buffer pool in a background thread (page faults cost as much as reading)."""
@@ -110,14 +122,36 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------------
     def start_load(self, specs: list[LoadSpec]) -> None:
-        """On the forward thread, before the step's forward pass."""
+        """On the forward thread, before the step's forward pass. Asynchronous loads (hybrid models) go on
+        beyond the step, until poll_async() reports their request."""
         after = self.copies.mark_forward()  # the step's blocks may still be read by earlier kernels
         self._loads = []
         for spec in specs:
             result: cf.Future = cf.Future()
             self.readers.submit(self._load, spec, after, result)
-            self._loads.append(_Load(spec, result))
+            if spec.asynchronous:
+                self._async.setdefault(spec.req_id, []).append(_Load(spec, result))
+            else:
+                self._loads.append(_Load(spec, result))
         self._layers_waited = set()
+
+    def poll_async(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads have all ended (read, verified and copied into the paged cache,
+        or failed), and those among them with a failed load: vLLM recomputes them whole."""
+        finished, failed = set(), set()
+        for req_id, loads in list(self._async.items()):
+            if not all(ld.future.done() for ld in loads):
+                continue
+            for load in loads:
+                self._resolve(load)
+                if load.done and not all(e.query() for e in load.events):
+                    break  # device copies still running: next step
+            else:
+                del self._async[req_id]
+                finished.add(req_id)
+                if any(ld.failed for ld in loads):
+                    failed.add(req_id)
+        return finished, failed
 
     def _load(self, spec: LoadSpec, after, result: cf.Future) -> None:
         """In a reader thread: read and verify one chunk, then hand it to the copies into the paged cache,
@@ -127,6 +161,8 @@ class WorkerSide:
         t0 = time.thread_time()
         buf = self.file_buffers.take()
         try:
+            if not spec.paths:
+                raise ChunkMismatch("the scheduler found no loadable blocks for it (null block in its range)")
             path = spec.paths[self.rank]
             into = buf.numpy()
             if self.direct_reads:
@@ -158,7 +194,7 @@ class WorkerSide:
             result.set_result(events)
 
         payload = buf[chunkfile.HEADER_SIZE:self.file_size].view(self.layout.g.dtype)
-        self.copies.load(transfer.LoadCopy(payload, spec.block_ids, spec.first_block, spec.end_block, after, copied))
+        self.copies.load(transfer.LoadCopy(payload, spec.groups, spec.first_block, spec.end_block, after, copied))
 
     def _resolve(self, load: _Load) -> None:
         if load.done or load.failed:
@@ -169,18 +205,20 @@ class WorkerSide:
         except (OSError, ChunkMismatch) as e:
             self._fail(load, e)
         except Exception as e:  # never crash the engine over a cache file
-            log.exception("kvfs connector: unexpected error loading %s", load.spec.paths[self.rank])
+            log.exception("kvfs connector: unexpected error loading %s", load.spec.paths[self.rank]
+                          if load.spec.paths else "-")
             self._fail(load, e)
 
     def _fail(self, load: _Load, err: Exception) -> None:
         load.failed = True
         s = load.spec
-        self._failed_blocks.update(s.block_ids[s.first_block:s.end_block])
+        if not s.asynchronous:  # vLLM takes block ids only from single-group models (else per request)
+            self._failed_blocks.update(s.block_ids[s.first_block:s.end_block])
         self.stats["load_errors"] += 1
         if isinstance(err, OSError):
             self.guard.failed(err)
         log.warning("kvfs connector: chunk %s unusable (%s); vLLM recomputes its %d blocks",
-                    s.paths[self.rank], err, s.end_block - s.first_block)
+                    s.paths[self.rank] if s.paths else "-", err, s.end_block - s.first_block)
 
     def wait_layer(self, layer_name: str) -> None:
         """Before a layer's attention (on the forward thread): every load of the step is read and verified,
@@ -215,6 +253,8 @@ class WorkerSide:
         """Right after the forward pass (forward thread): copy each new chunk out of the paged cache into a
         slot of its own, and queue the writes for when the copies are done: one job per writer thread, whose
         chunks kvfs adopts together."""
+        if not self.writes:
+            return
         accepted = [(spec, spec.paths[self.rank]) for spec in specs if self._admit(spec.paths[self.rank])]
         if not accepted:
             return
@@ -224,7 +264,7 @@ class WorkerSide:
                 for n, (spec, path) in enumerate(accepted):
                     try:
                         slot = self.save_slots.take()
-                        copied = self.copies.chunk_to_host(spec.block_ids, slot)
+                        copied = self.copies.chunk_to_host(spec.groups, slot)
                     except Exception:
                         for _, later in accepted[n:]:
                             self._done(later)
