@@ -79,6 +79,8 @@ def test_what_cannot_be_stored_is_refused_with_its_reason():
     for ok in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
         check_cache_dtype(ok)
     assert describe_model(_config((_layers(0), FULL)), "fp8_e4m3").fp8
+    with pytest.raises(UnsupportedModel, match="context parallelism"):
+        describe_model(_config((_layers(0), MLA)), "auto", context_parallel=2)
 
 
 def test_a_window_part_stores_the_blocks_a_hit_at_the_chunks_end_needs():

@@ -353,23 +353,16 @@ def test_dead_mount_is_a_miss(make_mount, baseline, prompts, workdir):
     assert "acting as a miss" in result["log"]
 
 
-def test_unsupported_cache_disables_the_connector_and_the_engine_runs(make_mount, prompts, workdir):
-    m = make_mount("fp8").start()
-    disabled = "kvfs connector disabled: KV cache dtype fp8_e4m3 (quantised KV) is not supported"
-    job = {"prompts": prompts[:1], **ROUND}
-    try:
-        result = run_engine(workdir / "fp8", [job], connector(m.mountpoint), kv_cache_dtype="fp8_e4m3")
-    except pytest.fail.Exception as e:
-        # vLLM runs fp8 KV on CPU only with AVX-512 or AMX: elsewhere no engine starts, connector or not. The
-        # connector's part, disabling itself before the cache is allocated, is still checked.
-        if "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" not in str(e):
-            raise
-        log = (workdir / "fp8" / "engine-0.log").read_text(errors="replace")
-        assert disabled in log and "Traceback" not in log.split(disabled)[0]
-        assert chunk_files(m.mountpoint) == []
-        return
-    assert len(outputs(result)[0]) == ROUND["max_tokens"] and cached(result) == [0]
-    assert disabled in result["log"]
+def test_a_cache_the_connector_cannot_store_is_refused_at_start(make_mount, prompts, workdir):
+    """Per-token-head fp8 keeps its scales in side tensors the connector does not store: the engine does not
+    start, and says why, rather than run with a connector that would store KV it cannot restore."""
+    m = make_mount("per-token-head").start()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_engine(workdir / "per-token-head", [{"prompts": prompts[:1], **ROUND}], connector(m.mountpoint),
+                   kv_cache_dtype="fp8_per_token_head")
+    text = str(failed.value)
+    assert "KV cache dtype fp8_per_token_head: per-token-head quantisation keeps its scales" in text, text[-3000:]
+    assert "refusing to start" in text
     assert chunk_files(m.mountpoint) == []
 
 

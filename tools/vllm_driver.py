@@ -8,7 +8,8 @@ stdin or in a file:
                                         "kv_connector_extra_config": {...}},
      "rounds": [ {"prompts": [[token ids], ...], "max_tokens": 8, "concurrency": 8}, ... ],
      "max_model_len": 8192, "kv_cache_gib": 1, "block_size": null, "dtype": null,
-     "num_gpu_blocks_override": null, "atomic_groups": false, "kv_events_endpoint": null, "in_process": false}
+     "num_gpu_blocks_override": null, "atomic_groups": false, "kv_events_endpoint": null, "in_process": false,
+     "load_format": null, "attention_backend": null, "mamba_cache_mode": null}
 
 "in_process" runs the engine core and its one worker in this process (vLLM's "uni" executor, no engine-core
 process), with as many OpenMP threads as vLLM gives its worker process (the CPUs less the reserved ones): the
@@ -90,6 +91,9 @@ def run(job: dict) -> dict:
         kwargs["block_size"] = job["block_size"]
     if job.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = job["kv_cache_dtype"]
+    for key in ("load_format", "attention_backend", "mamba_cache_mode"):  # e.g. "dummy": seeded weights
+        if job.get(key):
+            kwargs[key] = job[key]
     if job.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = job["num_gpu_blocks_override"]
     if job.get("connector"):

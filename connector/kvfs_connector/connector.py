@@ -58,8 +58,11 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
         self.disabled_reason = None
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
         try:
-            self.model: ModelKV = describe_model(kv_cache_config, cache_dtype,
-                                                 getattr(vllm_config.model_config, "use_mla", False))
+            pc = vllm_config.parallel_config
+            self.model: ModelKV = describe_model(
+                kv_cache_config, cache_dtype, getattr(vllm_config.model_config, "use_mla", False),
+                max(getattr(pc, "decode_context_parallel_size", 1) or 1,
+                    getattr(pc, "prefill_context_parallel_size", 1) or 1))
         except UnsupportedModel as e:
             if self.settings.unsupported == "disable":
                 self.disabled_reason = str(e)

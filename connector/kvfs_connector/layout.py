@@ -274,7 +274,7 @@ class TokenKVLayout(ChunkLayout):
 
 class MlaLayout(ChunkLayout):
     """MLA: one latent per token and layer (kv_lora_rank + rope dims, e.g. 512 + 64 = 576), no K/V split and
-    no heads. vLLM's MLA backends (CPU_MLA, FLASHMLA, CUTLASS_MLA, TRITON_MLA, FLASHINFER_MLA, FLASH_ATTN_MLA)
+    no heads. vLLM's MLA backends (CPU_MLA, AMX_MLA, FLASHMLA, CUTLASS_MLA, TRITON_MLA, FLASHINFER_MLA, FLASH_ATTN_MLA)
     all hold `[num_blocks, block_size, latent]`. The payload is channel-major per layer, [latent][tokens]: one
     channel over all the chunk's tokens is contiguous. torch copies on the cache's device."""
 
@@ -345,7 +345,7 @@ class BlockBytesLayout(ChunkLayout):
 
 
 TOKEN_KV_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
-MLA_BACKENDS = ("CPU_MLA", "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA", "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")
 VEC_ISAS = ("vec",)  # the portable kernels' packing, verified bit-exact; other ISAs: opaque block bytes
 
 

@@ -117,9 +117,13 @@ def _spec_kind(spec: Any) -> str:
     return "unknown:" + name
 
 
-def describe_model(kv_cache_config: Any, kv_cache_dtype: str, use_mla: bool = False) -> ModelKV:
+def describe_model(kv_cache_config: Any, kv_cache_dtype: str, use_mla: bool = False,
+                   context_parallel: int = 1) -> ModelKV:
     """Sort vLLM's KV-cache groups into parts, or raise UnsupportedModel naming what cannot be stored."""
     check_cache_dtype(kv_cache_dtype)
+    if context_parallel > 1:
+        raise UnsupportedModel(f"context parallelism ({context_parallel} ranks) splits each block's tokens across "
+                               "ranks; the connector does not store such KV")
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise UnsupportedModel("the model has no KV cache groups")
@@ -139,8 +143,6 @@ def describe_model(kv_cache_config: Any, kv_cache_dtype: str, use_mla: bool = Fa
                                    "(known: full attention, sliding window, MLA)")
         if getattr(spec, "attention_chunk_size", None):
             raise UnsupportedModel("chunked local attention (Llama 4) is not supported")
-        if getattr(spec, "dcp_sharded", False) and getattr(spec, "max_tp_shards", None):
-            raise UnsupportedModel("decode context parallel KV is not supported")
         head_v = getattr(spec, "head_size_v", None)
         if kind != "mla" and head_v not in (None, spec.head_size):
             raise UnsupportedModel(f"K and V of different head sizes ({spec.head_size}, {head_v}) are not supported")
