@@ -39,6 +39,8 @@ FAMILIES = {
     "gemma3": ("gemma3", {}, ["full", "window"]),
     "gptoss": ("gptoss", {}, ["full", "window"]),
     "fp8": ("gqa", {"kv_cache_dtype": "fp8_e4m3"}, ["full"]),
+    "granite-h": ("hybrid", {"prefix_caching": True, "mamba_cache_mode": "align"}, ["full", "state"]),
+    "qwen3-next": ("qwen3next", {"prefix_caching": True, "mamba_cache_mode": "align"}, ["full", "state"]),
 }
 
 
@@ -118,7 +120,8 @@ def test_a_fresh_engine_loads_what_another_stored(family, tokens, tmp_path_facto
         one = engine(tmp / "e1", model, rounds[:1], m.mountpoint, **options)
         assert "kvfs connector" in one["log"] and "Turning off hybrid kv cache manager" not in one["log"]
         for kind in kinds:
-            assert f"{kind} attention" in one["log"], (kind, one["log"][-3000:])
+            name = "recurrent state" if kind == "state" else f"{kind} attention"
+            assert name in one["log"], (kind, one["log"][-3000:])
         stored = sorted(m.mountpoint.glob("*/*/*.kv"))
         assert stored and cached(one, 0) == [0, 0]
         two = engine(tmp / "e2", model, rounds, m.mountpoint, **options)
@@ -128,7 +131,7 @@ def test_a_fresh_engine_loads_what_another_stored(family, tokens, tmp_path_facto
     assert outputs(two, 0) == outputs(plain, 0) and outputs(two, 1) == outputs(plain, 1)
     hits = cached(two, 0)
     assert all(h >= 256 for h in hits), hits
-    assert cached(two, 1)[0] >= 512  # the second turn reuses the first turn's chunks
+    assert cached(two, 1)[0] >= hits[0]  # the second turn reuses the first turn's chunks
     v = two["verify"]
     assert v["mismatched"] == 0 and v["verified"] > 0 and v["loads"] > 0, v
     assert set(v["parts"]) == set(kinds), v

@@ -72,7 +72,7 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
                                    "in kv_connector_extra_config to run without kvfs)") from None
         self.block_size = self.model.parts[0].block_size
         self.chunk_size = self.settings.chunk_tokens(self.model.chunk_multiple())
-        self.kv_dtype = kv_cache_config.kv_cache_groups[self.model.parts[0].groups[0]].kv_cache_spec.dtype
+        self.kv_dtype = _spec_dtype(self._spec(self.model.parts[0]))
         self.layout_names = [engine_layout(vllm_config, self._spec(p), p) for p in self.model.parts]
         self.layout_name = self.layout_names[0]
         if role == KVConnectorRole.SCHEDULER:
@@ -133,9 +133,9 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
                     # a replicated part (MLA's latent) is the same on every TP rank: one file, whatever the TP size
                     tp = (0, 1) if part.replicated_over_tp else (tp_rank, pc.tensor_parallel_size)
                     key = NamespaceKey(
-                        model=str(cfg.model_config.model), dtype=str(spec.dtype).removeprefix("torch."),
-                        num_layers=cfg.model_config.get_total_num_hidden_layers(), num_kv_heads=spec.num_kv_heads,
-                        head_size=spec.head_size, block_size=part.block_size, chunk_size=self.chunk_size,
+                        model=str(cfg.model_config.model), dtype=str(_spec_dtype(spec)).removeprefix("torch."),
+                        num_layers=cfg.model_config.get_total_num_hidden_layers(), num_kv_heads=part.num_kv_heads,
+                        head_size=part.head_size, block_size=part.block_size, chunk_size=self.chunk_size,
                         layout=layout_name, tp_rank=tp[0], tp_size=tp[1],
                         pp_rank=pp_rank, pp_size=pc.pipeline_parallel_size,
                         hash_algo=cfg.cache_config.prefix_caching_hash_algo, hash_seed_id=seed_identity(none_hash),
@@ -201,10 +201,19 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
         tensors = [kv_caches[n] for n in ordered]
         spec = self._spec(part)
         stored_tokens = part.stored_blocks(self.chunk_size) * part.block_size
-        geometry = layouts.Geometry(len(tensors), spec.num_kv_heads, spec.head_size, part.block_size,
-                                    stored_tokens, spec.dtype)
         engine = engine_layout_of(self._vllm_config, spec, part, ordered)
-        chosen = layouts.choose(geometry, tuple(tensors[0].shape), engine)  # UnknownLayout stops the engine
+        if part.kind == "state":  # a block's bytes as vLLM's recurrent kernels keep them (no element type)
+            tensors = [t.view(torch.uint8) for t in tensors]
+            geometry = layouts.Geometry(len(tensors), 1, part.head_size, part.block_size, stored_tokens, torch.uint8)
+            if tensors[0].dim() < 2 or tensors[0][0].numel() != part.head_size:
+                raise layouts.UnknownLayout(f"vLLM {engine.vllm_version}: recurrent state tensor of shape "
+                                            f"{tuple(tensors[0].shape)} is not one block of {part.head_size} "
+                                            "bytes per row; refusing to start")
+            chosen = layouts.BlockBytesLayout(geometry, tuple(tensors[0].shape[1:]), layout_name)
+        else:
+            geometry = layouts.Geometry(len(tensors), spec.num_kv_heads, spec.head_size, part.block_size,
+                                        stored_tokens, spec.dtype)
+            chosen = layouts.choose(geometry, tuple(tensors[0].shape), engine)  # UnknownLayout stops the engine
         if chosen.name != layout_name:
             raise layouts.UnknownLayout(
                 f"vLLM {engine.vllm_version}: the worker's KV cache layout is {chosen.name} (backend "
@@ -227,8 +236,8 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
                             s.demote_after_idle_s, io_cpus, pinned_bytes=s.pinned_memory_mb << 20,
                             device_staging_bytes=s.device_staging_mb << 20, direct_writes=s.direct_writes,
                             save_threads=s.save_threads, writes=writes,
-                            dtype_hint=FP8_XATTR.get(self.model.kv_cache_dtype, b"fp8_e4m3") if self.model.fp8
-                            else None)
+                            dtype_hint=FP8_XATTR.get(self.model.kv_cache_dtype, b"fp8_e4m3")
+                            if self.model.fp8 and part.kind != "state" else None)
         worker.warm_up()
         log.info("kvfs connector worker: %s, %d layers on %s, layout %s (backend %s, vLLM %s), rank %d%s, %d "
                  "reader threads on %s", _part_name(part), len(tensors), tensors[0].device, chosen.name,
@@ -244,7 +253,7 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
         if not (len(self.model.parts) == 1 and part.kind == "full"):
             extra["part"] = _part_key(part)
             extra["chunk_tokens"] = self.chunk_size
-        if self.model.fp8:
+        if self.model.fp8 and part.kind != "state":
             extra["kv_cache_dtype"] = self.model.kv_cache_dtype
             extra["backend"] = backend
             extra["kv_scales"] = self._scales_digest(layer_names)
@@ -260,6 +269,8 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
     def _refresh_scales(self) -> None:
         """fp8 scales the engine computes (calculate_kv_scales) change after start: so does the descriptor."""
         for worker in self.workers:
+            if "kv_scales" not in worker.layout.extra:
+                continue
             names = list(worker.layer_index)
             digest = self._scales_digest(names)
             if worker.layout.extra.get("kv_scales") != digest:
@@ -350,12 +361,18 @@ class KVFSConnector(KVConnectorBase_V1, SupportsHMA):
 def _part_key(part: Part) -> str:
     """A part's identity, short: kind, block size, window, and a digest of its layer names."""
     layers = xxhash.xxh3_64_hexdigest("\0".join(part.layer_names).encode())
-    return f"{part.kind}:bs{part.block_size}" + (f":w{part.window}" if part.window else "") + f":{layers}"
+    state = f":s{xxhash.xxh3_64_hexdigest(part.state.encode())}" if part.state else ""
+    return f"{part.kind}:bs{part.block_size}" + (f":w{part.window}" if part.window else "") + state + f":{layers}"
 
 
 def _part_name(part: Part) -> str:
-    return f"{part.kind} attention" + (f" (window {part.window})" if part.window else "") + \
-        f", groups {','.join(map(str, part.groups))}"
+    what = "recurrent state" if part.kind == "state" else f"{part.kind} attention"
+    return what + (f" (window {part.window})" if part.window else "") + f", groups {','.join(map(str, part.groups))}"
+
+
+def _spec_dtype(spec) -> torch.dtype:
+    """The element type a part's files hold: the cache's, or bytes for recurrent state (several dtypes)."""
+    return spec.dtype if hasattr(spec, "dtype") else torch.uint8
 
 
 def engine_layout_of(vllm_config: VllmConfig, spec, part: Part | None = None,
@@ -366,6 +383,8 @@ def engine_layout_of(vllm_config: VllmConfig, spec, part: Part | None = None,
     device = compat.platform_device_type()
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     mla = part is not None and part.kind == "mla"
+    if part is not None and part.kind == "state":  # the bytes as vLLM's kernels of this release keep them
+        return layouts.EngineLayout(f"state:{part.state}", None, version)
     if layer_names:
         backends = {compat.attention_backend(vllm_config, n) for n in layer_names}
         if len(backends) != 1:
@@ -395,4 +414,7 @@ def _tenant_secret(settings: Settings) -> bytes | None:
 
 def engine_layout(vllm_config: VllmConfig, spec, part: Part | None = None) -> str:
     """The byte order of the engine's chunk payloads, as a name (part of the namespace)."""
-    return engine_layout_of(vllm_config, spec, part).layout_name()
+    engine = engine_layout_of(vllm_config, spec, part)
+    if part is not None and part.kind == "state":
+        return f"blocks:state@vllm-{engine.vllm_minor}"
+    return engine.layout_name()

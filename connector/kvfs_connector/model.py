@@ -11,7 +11,11 @@ of a plain GQA or MLA model one. Parts of kind:
   ones a hit ending at the chunk's end needs (positions from end - window + 1 on; vLLM frees the rest, and
   puts the null block 0 in their place);
 - ``mla``: multi-head latent attention (DeepSeek V2/V3, Kimi K2): one latent (kv_lora_rank + rope dims) per
-  token and layer, the same on every tensor-parallel rank: one rank writes it, every rank reads it.
+  token and layer, the same on every tensor-parallel rank: one rank writes it, every rank reads it;
+- ``state``: recurrent state (Mamba, GDN, linear attention) under vLLM's ``mamba_cache_mode`` "align": each
+  block holds the state after the tokens up to its end. The file holds the state at the chunk's end (the
+  chunk's last block, as vLLM's kernels keep it), and a hit must end exactly there: a state that already
+  includes a token vLLM will recompute is never restored (vLLM PRs #44599, #51102).
 
 Pure logic over vLLM's spec objects (matched by class name, so 0.32 and 0.34 alike); no torch needed.
 """
@@ -41,7 +45,7 @@ RECURRENT_SPECS = ("MambaSpec",)
 class Part:
     """Layers stored together in one chunk file per chunk."""
 
-    kind: str  # "full", "window" or "mla"
+    kind: str  # "full", "window", "mla" or "state"
     groups: tuple[int, ...]  # vLLM KV-cache group ids, in order
     layer_names: tuple[str, ...]  # every layer of those groups, in model order
     layer_groups: tuple[int, ...]  # per layer: its group's index in `groups`
@@ -49,6 +53,7 @@ class Part:
     num_kv_heads: int
     head_size: int
     window: int | None = None  # tokens a query attends to (sliding window), None for full attention
+    state: str | None = None  # recurrent state: its kind, shapes and dtypes (what the bytes of a block mean)
 
     @property
     def replicated_over_tp(self) -> bool:
@@ -63,6 +68,8 @@ class Part:
         exactly the blocks vLLM keeps for a hit that ends at the chunk's end (tokens end - window + 1 .. end-1),
         so loading a long prefix reads only the window, never the history."""
         per_chunk = self.blocks_per_chunk(chunk_size)
+        if self.kind == "state":
+            return 1
         if self.kind != "window":
             return per_chunk
         return min(per_chunk, max(1, -(-(self.window - 1) // self.block_size)))
@@ -72,6 +79,8 @@ class Part:
         out: dict[str, Any] = {"kind": self.kind, "block_size": self.block_size, "layers": list(self.layer_names)}
         if self.window is not None:
             out["window"] = self.window
+        if self.state is not None:
+            out["state"] = self.state
         return out
 
 
@@ -88,7 +97,8 @@ class ModelKV:
 
     @property
     def has_window(self) -> bool:
-        return any(p.kind == "window" for p in self.parts)
+        """Parts that restore only some positions (a window, or a state at a boundary)."""
+        return any(p.kind in ("window", "state") for p in self.parts)
 
     @property
     def fp8(self) -> bool:
@@ -113,7 +123,7 @@ def _spec_kind(spec: Any) -> str:
     if name in FULL_SPECS:
         return "window" if getattr(spec, "sliding_window", None) else "full"
     if name in RECURRENT_SPECS:
-        return "recurrent"
+        return "state"
     return "unknown:" + name
 
 
@@ -133,26 +143,32 @@ def describe_model(kv_cache_config: Any, kv_cache_dtype: str, use_mla: bool = Fa
             continue  # vLLM rebuilds it from another group after a load (accelerator-side replica)
         spec = group.kv_cache_spec
         kind = _spec_kind(spec)
-        if kind == "recurrent":
+        if kind == "state" and getattr(spec, "mamba_cache_mode", "none") != "align":
             raise UnsupportedModel(
                 f"KV-cache group {gid} holds recurrent state ({type(spec).__name__}: Mamba, GDN or linear "
-                "attention; Qwen3-Next, Granite-4-H, Jamba, Nemotron-H, MiniMax-M1): the connector does not "
-                "store recurrent state yet (docs/connector.md, \"Models\")")
+                f"attention) with mamba_cache_mode {getattr(spec, 'mamba_cache_mode', None)!r}: vLLM keeps one "
+                "state per request and no state at chunk boundaries, so nothing could be restored; enable "
+                "prefix caching (mamba_cache_mode \"align\") (docs/connector.md, \"Models\")")
         if kind.startswith("unknown:"):
             raise UnsupportedModel(f"KV-cache group {gid} has spec {kind[8:]}, which the connector does not know "
                                    "(known: full attention, sliding window, MLA)")
         if getattr(spec, "attention_chunk_size", None):
             raise UnsupportedModel("chunked local attention (Llama 4) is not supported")
         head_v = getattr(spec, "head_size_v", None)
-        if kind != "mla" and head_v not in (None, spec.head_size):
+        if kind in ("full", "window") and head_v not in (None, spec.head_size):
             raise UnsupportedModel(f"K and V of different head sizes ({spec.head_size}, {head_v}) are not supported")
         if kind == "mla" and not use_mla:
             use_mla = True
         window = getattr(spec, "sliding_window", None) if kind == "window" else None
-        key = (kind, spec.block_size, window, spec.num_kv_heads, spec.head_size, str(spec.dtype))
+        if kind == "state":
+            state = (f"{getattr(spec, 'mamba_type', '?')}:{list(map(list, spec.shapes))}:"
+                     f"{[str(d).removeprefix('torch.') for d in spec.dtypes]}")
+            key = (kind, spec.block_size, None, 0, getattr(spec, "real_page_size_bytes", spec.page_size_bytes), state)
+        else:
+            key = (kind, spec.block_size, window, spec.num_kv_heads, spec.head_size, str(spec.dtype))
         parts.setdefault(key, []).append((gid, group))
     out = []
-    for (kind, block_size, window, heads, head_size, _), members in parts.items():
+    for (kind, block_size, window, heads, head_size, detail), members in parts.items():
         names: list[str] = []
         layer_groups: list[int] = []
         for slot, (_, group) in enumerate(members):
@@ -160,14 +176,15 @@ def describe_model(kv_cache_config: Any, kv_cache_dtype: str, use_mla: bool = Fa
             layer_groups.extend([slot] * len(group.layer_names))
         order = sorted(range(len(names)), key=lambda i: layer_number(names[i]))
         out.append(Part(kind, tuple(g for g, _ in members), tuple(names[i] for i in order),
-                        tuple(layer_groups[i] for i in order), block_size, heads, head_size, window))
+                        tuple(layer_groups[i] for i in order), block_size, heads, head_size, window,
+                        detail if kind == "state" else None))
     if not out:
         raise UnsupportedModel("no KV-cache group is transferable")
     return ModelKV(tuple(sorted(out, key=_part_order)), kv_cache_dtype, len(groups))
 
 
 def _part_order(p: Part) -> tuple:
-    return ({"full": 0, "mla": 1, "window": 2}[p.kind], p.window or 0, p.groups)
+    return ({"full": 0, "mla": 1, "window": 2, "state": 3}[p.kind], p.window or 0, p.groups)
 
 
 def check_cache_dtype(kv_cache_dtype: str) -> None:
@@ -190,17 +207,23 @@ def layer_number(name: str) -> tuple:
 
 
 def window_blocks_needed(part: Part, hit: int) -> tuple[int, int]:
-    """The blocks [first, end) of a window part that a hit of `hit` tokens needs (vLLM's own rule: a query at
-    position `hit` attends to positions hit - window + 1 .. hit)."""
+    """The blocks [first, end) of a window or state part that a hit of `hit` tokens needs. A window: vLLM's
+    own rule, a query at position `hit` attends to positions hit - window + 1 .. hit. A state: the block
+    vLLM reads the state after `hit` tokens from, (hit - 1) // block size."""
+    if part.kind == "state":
+        return (hit - 1) // part.block_size, (hit - 1) // part.block_size + 1
     skipped = max(0, hit - part.window + 1)
     return skipped // part.block_size, -(-hit // part.block_size)
 
 
 def restorable(parts: Sequence[Part], hit: int, stored_chunks: int, chunk_size: int) -> bool:
-    """Whether every window part can restore a hit of `hit` tokens from the first `stored_chunks` chunks:
-    the blocks it needs all lie in the stored tails of those chunks."""
+    """Whether every window and state part can restore a hit of `hit` tokens from the first `stored_chunks`
+    chunks: the blocks it needs all lie in the stored tails of those chunks, and a state is the state after
+    exactly `hit` tokens (a chunk's end)."""
     for part in parts:
-        if part.kind != "window":
+        if part.kind == "state" and hit % chunk_size:
+            return False
+        if part.kind not in ("window", "state"):
             continue
         per_chunk = part.blocks_per_chunk(chunk_size)
         tail = part.stored_blocks(chunk_size)

@@ -96,7 +96,7 @@ class Planner:
         self.parts = list(parts) if parts else [Part("full", (0,), (), (), block_size, 0, 0)]
         self.groups = groups  # vLLM's KV-cache groups (block tables per request)
         self.asynchronous = asynchronous  # hybrid models: loads finish through get_finished (vLLM's rule)
-        self.has_window = any(p.kind == "window" for p in self.parts)
+        self.has_window = any(p.kind in ("window", "state") for p in self.parts)
         self.hash_block_size = hash_block_size
         self.chunk_size = chunk_size
         self.save_decode = save_decode
@@ -203,7 +203,7 @@ class Planner:
         first = max(0, (local - k * C) // bs)  # blocks vLLM's own prefix cache computed
         first = max(first, per_chunk - tail)
         end = min(per_chunk, -(-(hit - k * C) // bs))
-        if part.kind == "window":
+        if part.kind in ("window", "state"):
             need_first, need_end = window_blocks_needed(part, hit)
             first = max(first, need_first - k * per_chunk)
             end = min(end, need_end - k * per_chunk)
@@ -269,7 +269,7 @@ class Planner:
             paths = [self.chunk_paths(request, k, p) for p in range(len(self.parts))]
             if paths[0] is None or len(request.all_token_ids) < end:
                 break  # hash not there yet (asynchronous scheduling): try next step
-            specs = [self._save_spec(request, state, k, p, part, paths[p], done)
+            specs = [self._save_spec(request, state, k, p, part, paths[p], done, kv_tokens)
                      for p, part in enumerate(self.parts)]
             if not all(isinstance(s, SaveSpec) for s in specs):
                 if "later" in specs:
@@ -284,7 +284,7 @@ class Planner:
         return out
 
     def _save_spec(self, request, state: RequestState, k: int, p: int, part: Part, paths: list[str],
-                   done: int):
+                   done: int, kv_tokens: int):
         C, bs = self.chunk_size, part.block_size
         per_chunk, tail = part.blocks_per_chunk(C), part.stored_blocks(C)
         base = k * per_chunk + per_chunk - tail
@@ -293,6 +293,10 @@ class Planner:
             return "later" if all(len(state.group_ids[g]) < (k + 1) * per_chunk for g in part.groups) else None
         # vLLM frees window blocks wholly below done - window + 1 at the start of a step: older ids are stale
         if part.kind == "window" and (base + 1) * bs <= done - part.window + 1:
+            return None
+        # a recurrent state block holds the state after the chunk's end only at the end of the step that
+        # reached it (vLLM's align mode ends a step at every block boundary); later it runs on or is freed
+        if part.kind == "state" and kv_tokens != (k + 1) * C:
             return None
         if any(NULL_BLOCK in ids for ids in groups):
             return None
