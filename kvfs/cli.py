@@ -55,9 +55,11 @@ def main() -> None:
                    "DURATION; off (default); per file or directory: user.kvfs.idle")
 @click.option("--codec", type=click.Choice(CODECS),
               help="codec for new frames (default auto: per file, the smallest on a sample; entropy = the "
-                   "2-byte-float coder); qat = deflate on Intel QAT via QATzip, deflate = the same format through ISA-L")
+                   "2-byte-float coder, entropy8 = the 1-byte-float (fp8) coder); qat = deflate on Intel QAT via "
+                   "QATzip, deflate = the same format through ISA-L")
 @click.option("--dtype", type=click.Choice(DTYPES),
-              help="element type of stored data: byte planes for 2-byte floats (default auto: per file from a sample)")
+              help="element type of stored data: byte planes for 2-byte floats, codec entropy8 for fp8 (default auto: "
+                   "per file from a sample)")
 @click.option("--lossy", "lossy_mode", metavar="MODE",
               help="opt-in lossy mode for all files of known dtype: none (default), mantissa:K (drop K mantissa "
                    "bits), fp8[:G] (FP8 E4M3, one scale per G values); per file or directory: user.kvfs.lossy")

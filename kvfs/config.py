@@ -20,8 +20,8 @@ DEFAULT_LOW_WATERMARK = 0.80  # … and stops below this one
 DEFAULT_FRAME_SIZE = 1 << 20
 DEFAULT_L4_LEASE_S = 60.0  # a private L4's claim (kvfs/owner.py): renewed every quarter of it
 TAKEOVERS = ("expired", "force")  # --l4-takeover, --force
-CODECS = ("auto", "entropy", "zstd", "deflate", "qat", "none")
-DTYPES = ("auto", "bf16", "fp16", "fp32", "none")
+CODECS = ("auto", "entropy", "entropy8", "zstd", "deflate", "qat", "none")
+DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "none")
 # what adopting a direct write's staged object checks: the header, frame table and every payload's checksum
 # ("checksums": raw checksums are then checked on every read, as for any object), or also decodes every frame
 # and checks its raw checksum ("decode": costs a decode per byte written)

@@ -28,6 +28,7 @@ from . import format as fmt
 from .codecs import transforms
 from . import lossy as lossy_modes
 from .codecs.entropy import EntropyCodec, stride_from_shape
+from .codecs.entropy8 import Entropy8Codec
 from .index import Index
 from .ratelimit import Throttle
 from .store import Layout, ObjectRef, Store
@@ -40,6 +41,7 @@ MAX_EAGER = 8  # eager frame encodes queued per file
 SAMPLE_BYTES = 64 << 10  # sampled (in SAMPLE_PIECES pieces) to choose a transform
 SAMPLE_PIECES = 4
 INCOMPRESSIBLE = 0.98  # auto: a first-frame sample that no codec shrinks below this is stored raw
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # 1-byte floats: codec 5 (entropy8) is a candidate
 
 
 class FileCorrupt(Exception):
@@ -105,7 +107,8 @@ class EncodingPolicy:
     """How new frames of a file are encoded: codec, transform and codec parameters, chosen once per file.
 
     codec None is the mount's `auto`: the sample of the first frame encoded is compressed by each candidate
-    (the entropy coder for 2-byte floats, zstd on byte planes, zstd on raw bytes) and the smallest wins.
+    (the entropy coder for 2-byte floats, zstd on byte planes, zstd on raw bytes, the entropy coder for 1-byte
+    floats) and the smallest wins.
     Frames are encoded in parallel, so in a file whose frames differ in kind (text, then noise) which frame
     decides is not fixed; KV frames are alike. A file's dtype, when known, narrows the candidates; its shape
     hint gives the entropy coder its channel stride. Either way a frame that does not shrink is stored raw
@@ -122,7 +125,7 @@ class EncodingPolicy:
         self.transform: int | None = None
         if codec is not None and codec.id == codecs.NoneCodec.id:
             self.codec, self.transform = codec, transforms.IDENTITY
-        elif codec is not None and dtype != "auto" and codec.id != EntropyCodec.id:
+        elif codec is not None and dtype != "auto" and codec.id not in (EntropyCodec.id, Entropy8Codec.id):
             self.codec, self.transform = codec, _transform_for_dtype(dtype)
 
     @property
@@ -212,16 +215,23 @@ class EncodingPolicy:
     def _candidates(self) -> list[tuple[codecs.Codec, int]]:
         element = fmt.DTYPE_ELEMENT_SIZE.get(self.dtype)
         entropy = codecs.by_id(EntropyCodec.id).with_stride(self._stride())
-        if self.requested is not None:  # entropy asked for, or any codec with dtype auto
+        entropy8 = codecs.by_id(Entropy8Codec.id)
+        if self.requested is not None:  # an entropy coder asked for, or any codec with dtype auto
             if self.requested.id == EntropyCodec.id:
                 return [(entropy, transforms.IDENTITY)] if element in (None, 2) else [(codecs.by_name("zstd"), transforms.IDENTITY)]
+            if self.requested.id == Entropy8Codec.id:
+                fits = element in (None, 1)
+                return [(entropy8 if fits else codecs.by_name("zstd"), transforms.IDENTITY)]
             return [(self.requested, transforms.BYTEPLANE2), (self.requested, transforms.IDENTITY)]
         zstd = codecs.by_name("zstd")
         if element == 2:
             return [(entropy, transforms.IDENTITY), (zstd, transforms.BYTEPLANE2)]
+        if self.dtype in FP8_DTYPES:
+            return [(entropy8, transforms.IDENTITY), (zstd, transforms.IDENTITY)]
         if element is not None:
             return [(zstd, transforms.IDENTITY)]
-        return [(entropy, transforms.IDENTITY), (zstd, transforms.BYTEPLANE2), (zstd, transforms.IDENTITY)]
+        return [(entropy, transforms.IDENTITY), (zstd, transforms.BYTEPLANE2), (zstd, transforms.IDENTITY),
+                (entropy8, transforms.IDENTITY)]
 
     def _stride(self) -> int:
         dims = self._dims()

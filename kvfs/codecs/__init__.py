@@ -1,7 +1,7 @@
 """Codecs behind one small interface and a registry of on-disk ids.
 
 Ids are part of the object format (docs/format.md) and never change meaning. `entropy` (4) is the default for 2-byte floats
-(codecs/entropy.py, a C kernel). `deflate` (2) and `qat` (3)
+(codecs/entropy.py, a C kernel), `entropy8` (5) for 1-byte floats (fp8 E4M3/E5M2; codecs/entropy8.py, the same kernel). `deflate` (2) and `qat` (3)
 share one bitstream (codecs/deflate.py): the id records which encoder wrote a frame, and either decodes it.
 Without libqatzip, frames of id 3 decode through ISA-L; `qat.install` registers the QATzip codec at mount.
 """
@@ -15,6 +15,7 @@ import zstandard
 from .base import Codec, CodecError
 from .deflate import DeflateCodec, decompress_members
 from .entropy import EntropyCodec
+from .entropy8 import Entropy8Codec
 
 __all__ = ["Codec", "CodecError", "REGISTRY", "by_id", "by_name", "register"]
 
@@ -87,7 +88,7 @@ class QatFormatDecoder:
 
 # id → codec
 REGISTRY: dict[int, Codec] = {c.id: c for c in (NoneCodec(), ZstdCodec(), DeflateCodec(), QatFormatDecoder(),
-                                                 EntropyCodec())}
+                                                 EntropyCodec(), Entropy8Codec())}
 BY_NAME: dict[str, Codec] = {c.name: c for c in REGISTRY.values()}
 
 

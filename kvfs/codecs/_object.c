@@ -15,13 +15,14 @@
 #include "_scratch.h"
 
 int kvec_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes);
+int kf8_decode(const uint8_t *src, size_t src_len, uint8_t *dst, size_t n_bytes);
 unsigned long long kvfs_xxh3_64(const void *data, size_t len);
 
 enum { KVF_ERR_IO = -1, KVF_ERR_SHORT = -2, KVF_ERR_PAYLOAD = -3, KVF_ERR_DECODE = -4, KVF_ERR_RAW = -5,
        KVF_UNSUPPORTED = -6, KVF_ERR_NOMEM = -7, KVF_ERR_ARGS = -8 };
 
 /* codec and transform ids (kvfs/codecs/__init__.py, transforms.py) and the frame flag of a hole */
-enum { CODEC_NONE = 0, CODEC_ZSTD = 1, CODEC_ENTROPY = 4, TRANSFORM_IDENTITY = 0, TRANSFORM_BYTEPLANE2 = 1,
+enum { CODEC_NONE = 0, CODEC_ZSTD = 1, CODEC_ENTROPY = 4, CODEC_ENTROPY8 = 5, TRANSFORM_IDENTITY = 0, TRANSFORM_BYTEPLANE2 = 1,
        FRAME_HOLE = 1 };
 #define ENTRY_SIZE 36 /* FRAME_ENTRY "<QIIBBHQQ": offset, stored_len, raw_len, codec, transform, flags, 2 x xxh3 */
 
@@ -81,7 +82,7 @@ static void byteplane2_invert(const uint8_t *planes, size_t n, uint8_t *dst) {
 static int supported(const entry_t *e) {
     if (e->flags & FRAME_HOLE)
         return 1;
-    if (e->codec == CODEC_NONE || e->codec == CODEC_ENTROPY)
+    if (e->codec == CODEC_NONE || e->codec == CODEC_ENTROPY || e->codec == CODEC_ENTROPY8)
         return e->transform == TRANSFORM_IDENTITY;
     if (e->codec == CODEC_ZSTD)
         return zstd_decompress && (e->transform == TRANSFORM_IDENTITY || e->transform == TRANSFORM_BYTEPLANE2);
@@ -91,6 +92,8 @@ static int supported(const entry_t *e) {
 static int decode_payload(const entry_t *e, const uint8_t *payload, uint8_t *dst) {
     if (e->codec == CODEC_ENTROPY)
         return kvec_decode(payload, e->stored_len, dst, e->raw_len) ? KVF_ERR_DECODE : 0;
+    if (e->codec == CODEC_ENTROPY8)
+        return kf8_decode(payload, e->stored_len, dst, e->raw_len) ? KVF_ERR_DECODE : 0;
     /* zstd: an error code (a huge size_t) never equals a frame's length */
     if (e->transform == TRANSFORM_IDENTITY)
         return zstd_decompress(dst, e->raw_len, payload, e->stored_len) == e->raw_len ? 0 : KVF_ERR_DECODE;

@@ -2,6 +2,7 @@
 which releases the GIL while a kernel function runs.
 
 - codec 4 (`entropy`, entropy.py): kvec_encode, kvec_encode_version, kvec_decode;
+- codec 5 (`entropy8`, entropy8.py): kf8_encode, kf8_decode;
 - XXH3-64 of large buffers (format.xxh3): kvfs_xxh3_64;
 - whole runs of frames of an object read and decoded in one call (kvfs.direct): kvfs_read_frames, which
   decodes zstd frames with the system's libzstd when one is found (kvfs_use_zstd), and leaves them to
@@ -37,6 +38,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvec_encode_version.argtypes = lib.kvec_encode.argtypes + [ctypes.c_int]
     lib.kvec_decode.restype = ctypes.c_int
     lib.kvec_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+    lib.kf8_encode.restype = ctypes.c_int64
+    lib.kf8_encode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+    lib.kf8_encode_k.restype = ctypes.c_int64
+    lib.kf8_encode_k.argtypes = lib.kf8_encode.argtypes + [ctypes.c_int]
+    lib.kf8_decode.restype = ctypes.c_int
+    lib.kf8_decode.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
     lib.kvfs_xxh3_64.restype = ctypes.c_uint64
     lib.kvfs_xxh3_64.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.kvfs_read_frames.restype = ctypes.c_int
