@@ -252,3 +252,68 @@ def test_mla_latents_are_channel_major_and_round_trip_bit_exactly(shape, dtype):
         assert torch.equal(a[7].view(torch.uint8), b[2].view(torch.uint8)) and not b[3:].any()
     with pytest.raises(layouts.UnknownLayout, match="MLA backend CPU_MLA"):
         layouts.choose(g, (10, 16, 512), layouts.EngineLayout("CPU_MLA"))
+
+
+# -- recurrent state ----------------------------------------------------------------------------------------
+SBS = 128
+STATE_PARTS = [Part("full", (3,), (), (), SBS, 2, 64), Part("state", (0, 1, 2), (), (), SBS, 0, 4096, state="m")]
+
+
+def _state_planner(tmp_path, **kw):
+    return Planner(mount=str(tmp_path), namespaces=lambda: [["full"], ["state"]], block_size=SBS,
+                   hash_block_size=SBS, chunk_size=C, save_decode=True,
+                   guard=MountGuard(str(tmp_path), require_mount=False), parts=STATE_PARTS, groups=4,
+                   asynchronous=True, **kw)
+
+
+def test_a_recurrent_state_is_restored_only_at_the_end_of_the_chunk_it_was_saved_at(tmp_path):
+    mamba = MambaSpec(block_size=SBS, shapes=((3, 640), (8, 64, 64)), dtypes=(BF16, torch.float32),
+                      mamba_cache_mode="align")
+    full = FullAttentionSpec(block_size=SBS, num_kv_heads=2, head_size=64, dtype=BF16)
+    model = describe_model(_config((_layers(0), mamba), (_layers(1), mamba), (_layers(3), full)), "auto")
+    assert [p.kind for p in model.parts] == ["full", "state"] and model.parts[1].stored_blocks(256) == 1
+    assert "float32" in model.parts[1].state
+    with pytest.raises(UnsupportedModel, match="mamba_cache_mode 'none'.*align"):
+        describe_model(_config((_layers(0), MambaSpec(block_size=SBS, shapes=((4,),), dtypes=(BF16,))),), "auto")
+    p = _state_planner(tmp_path)
+    req = FakeRequest("a", list(range(1000, 1700)), 700, hash_block=SBS)
+    for k in range(2):
+        _touch(p, req, k)
+    # 699 would need the state after 699 tokens: only chunk ends have one
+    assert p.lookup(req, 0) == 512
+    p.allocated(req, ([0, 0, 0, 41, 42], [0, 0, 0, 51, 52], [0, 0, 0, 61, 62], list(range(1, 7))), 512)
+    loads, _ = p.step(_so())
+    state = [(s.first_token, s.first_block, s.end_block, s.groups) for s in loads if s.part == 1]
+    # the state after 512 tokens goes into block (512 - 1) // 128 = 3 of each state group: chunk 1's last
+    assert state == [(256, 0, 1, [[41], [51], [61]])]
+
+
+def test_a_state_is_saved_only_in_the_step_that_ends_at_the_chunks_end(tmp_path):
+    p = _state_planner(tmp_path)
+    req = FakeRequest("a", list(range(1000, 1700)), 700, hash_block=SBS)
+    p.lookup(req, 0)
+    tables = ([1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36])
+    p.allocated(req, tables, 0)
+    new = types.SimpleNamespace(req_id="a", block_ids=tables, num_computed_tokens=0)
+    _, saves = p.step(_so([new], tokens={"a": 256}))  # ends at chunk 0's end: its state is block 1
+    assert [(s.first_token, s.part, s.groups) for s in saves] == [
+        (0, 0, [[31, 32]]), (0, 1, [[2], [12], [22]])]
+    cached = types.SimpleNamespace(req_ids=["a"], resumed_req_ids=set(), new_block_ids=[None],
+                                   num_computed_tokens=[256])
+    _, saves = p.step(_so(cached=cached, tokens={"a": 400}))  # ran past chunk 1's end (512) to 656
+    assert saves == [] and p.stats["unsaveable_chunks"] == 1
+
+
+def test_every_part_of_a_tenants_chunk_is_under_its_directory_and_carries_its_group(tmp_path):
+    from kvfs.events import parse_record
+
+    p = Planner(mount=str(tmp_path), namespaces=lambda: [["full"], ["win"]], block_size=BS, hash_block_size=BS,
+                chunk_size=C, save_decode=True, guard=MountGuard(str(tmp_path), require_mount=False),
+                parts=PARTS, groups=3, asynchronous=True, tenant_dirs=True)
+    req = FakeRequest("a", list(range(1000, 1700)), 700, hash_block=BS)
+    req.cache_salt = "tenant-a"
+    paths = p.all_chunk_paths(req, 0)
+    assert len(paths) == 2 and len({os.path.relpath(x, tmp_path).split("/")[0] for x in paths}) == 1
+    assert all(os.path.relpath(x, tmp_path).startswith("tenant-") for x in paths)
+    record = parse_record(p.block_record(req, 0, group=0))
+    assert record.group_idx == 0 and len(record.block_hashes) == C // BS

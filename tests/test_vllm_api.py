@@ -561,3 +561,45 @@ def test_fp8_chunks_are_stored_as_bytes_and_other_scales_are_a_miss(configs):
     assert e5m2.workers[0].xattrs["user.kvfs.dtype"] == b"fp8_e5m2"
     for c in (conn, same, other, e5m2):
         c.shutdown()
+
+
+def test_a_recurrent_hybrids_state_round_trips_through_vllms_specs(configs):
+    """MambaSpec groups under mamba_cache_mode "align" (Granite-4-H, Qwen3-Next): a state part whose file holds
+    each layer's state block at the chunk's end, written back into the block vLLM reads the state from."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvfs_connector.chunkfile import token_digest
+    from kvfs_connector.connector import KVFSConnector
+    from kvfs_connector.plan import LoadSpec, SaveSpec
+
+    bs = 128
+    mamba = MambaSpec(block_size=bs, shapes=((3, 64), (2, 16, 16)), dtypes=(torch.bfloat16, torch.float32),
+                      mamba_cache_mode="align")
+    full = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    mixers = [f"model.layers.{i}.mixer" for i in range(2)]
+    attn = ["model.layers.2.self_attn.attn"]
+    kcc = _kcc([(attn, full)], bs, nb=24)
+    kcc.kv_cache_groups[:0] = [type(kcc.kv_cache_groups[0])([name], mamba) for name in mixers]
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    sched = KVFSConnector(configs[0], KVConnectorRole.SCHEDULER, kcc)
+    assert [p.kind for p in sched.model.parts] == ["full", "state"] and sched.model.hybrid
+    assert sched.layout_names[1].startswith("blocks:state@vllm-")
+    conn, kv = _worker_connector(configs, CPUAttentionBackend, kcc=kcc)
+    page = mamba.real_page_size_bytes
+    for name in mixers:  # what vLLM's CPU runner registers for a mamba layer: one row of bytes per block
+        kv[name] = torch.randint(-128, 128, (24, 1, 1, page), dtype=torch.int8)
+    conn.register_kv_caches(kv)
+    state = conn.workers[1]
+    assert state.layout.g.chunk_size == bs and state.xattrs["user.kvfs.shape"] == \
+        f"offset=4096 layer=2 block=1 element={page}".encode()
+    digest, path = token_digest(range(256)), os.path.join(configs[3], "state.kv")
+    _round(conn, saves=[SaveSpec("a", [path], 0, 256, digest, [3], None, 1, [[3], [5]])])
+    _round(conn, loads=[LoadSpec("b", [path], 0, 256, digest, [9], 0, 1, 1, [[9], [11]], True)])
+    assert _transfer_results(conn).failed_recving == set()
+    assert torch.equal(kv[mixers[0]][3], kv[mixers[0]][9]) and torch.equal(kv[mixers[1]][5], kv[mixers[1]][11])
+    sched.shutdown()
+    conn.shutdown()
