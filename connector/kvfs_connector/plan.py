@@ -277,8 +277,9 @@ class Planner:
                 self.stats["unsaveable_chunks"] += 1  # a window's blocks were freed already: never complete
                 state.next_chunk += 1
                 continue
-            if self.record_blocks:
-                specs[0].blocks = self.block_record(request, k, self.parts[0].groups[0])
+            if self.record_blocks:  # each part's file announces its blocks under its (first) group
+                for spec, part in zip(specs, self.parts):
+                    spec.blocks = self.block_record(request, k, part.groups[0])
             out.extend(specs)
             state.next_chunk += 1
         return out
