@@ -25,23 +25,11 @@ from test_vllm import MODEL, TEXTS, _require_vllm
 
 sys.path.insert(0, str(REPO / "tools"))
 import vllm_driver
+from model_families import FAMILIES, fp8_unavailable, model_dir
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = REPO / "tests" / "data" / "models"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 FIRST_TURN = {"max_tokens": 8, "concurrency": 1}
-
-# family -> (config directory, engine options, the kinds of parts the connector must make)
-FAMILIES = {
-    "gqa": ("gqa", {}, ["full"]),
-    "mla": ("mla", {}, ["mla"]),
-    "gemma3": ("gemma3", {}, ["full", "window"]),
-    "gptoss": ("gptoss", {}, ["full", "window"]),
-    "fp8": ("gqa", {"kv_cache_dtype": "fp8_e4m3"}, ["full"]),
-    "granite-h": ("hybrid", {"prefix_caching": True, "mamba_cache_mode": "align"}, ["full", "state"]),
-    "qwen3-next": ("qwen3next", {"prefix_caching": True, "mamba_cache_mode": "align"}, ["full", "state"]),
-}
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +39,6 @@ def tokens():
 
     tok = AutoTokenizer.from_pretrained(MODEL)
     return [tok(Path(t).read_text(errors="replace"))["input_ids"] for t in TEXTS]
-
-
-def model_dir(tmp: Path, family: str) -> Path:
-    """A model directory of the family's tiny config and the SmolLM2 tokenizer (no weights: dummy)."""
-    out = tmp / f"model-{family}"
-    if not out.exists():
-        out.mkdir(parents=True)
-        shutil.copy(CONFIGS / family / "config.json", out / "config.json")
-        for name in TOKENIZER_FILES:
-            if (MODEL / name).exists():
-                shutil.copy(MODEL / name, out / name)
-    return out
 
 
 def engine(tmp: Path, model: Path, rounds: list[dict], mount: Path | None, **job) -> dict:
@@ -105,11 +81,12 @@ def cached(result: dict, rnd: int) -> list[int]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_fresh_engine_loads_what_another_stored(family, tokens, tmp_path_factory):
-    config, options, kinds = FAMILIES[family]
-    if options.get("kv_cache_dtype", "").startswith("fp8"):
-        _require_fp8_cpu()
+    fam = FAMILIES[family]
+    options, kinds = fam.options, list(fam.parts)
+    if options.get("kv_cache_dtype", "").startswith("fp8") and (why := fp8_unavailable()):
+        pytest.skip(why)  # a hardware condition, like a GPU
     tmp = tmp_path_factory.mktemp(family)
-    model = model_dir(tmp, config)
+    model = model_dir(tmp, fam)
     first = [tokens[0][:700], tokens[1][:1100]]
     rounds = [{"prompts": first, **FIRST_TURN},
               {"prompts": [{"extend": [0, 0], "extra": tokens[2][:150]}], "max_tokens": 8}]
@@ -138,13 +115,3 @@ def test_a_fresh_engine_loads_what_another_stored(family, tokens, tmp_path_facto
     if "window" in kinds:  # a window part loads its window: one 128-token block per hit, not the history
         assert v["parts"]["window"] < v["parts"]["full"] / 2, v
     assert not m.unexpected_log_lines(), m.unexpected_log_lines()
-
-
-def _require_fp8_cpu() -> None:
-    import torch
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    try:  # vLLM's CPU kernels run fp8 KV only with AVX-512 or AMX (a hardware condition, like a GPU)
-        _get_attn_isa(torch.bfloat16, 128, 64, "fp8_e4m3")
-    except NotImplementedError as e:
-        pytest.skip(str(e))

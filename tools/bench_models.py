@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Every model family through the connector: TTFT of a full hit against recompute, and the bytes a full hit
+reads from kvfs per part (a sliding window reads only its window, a recurrent state one block). One run.
+
+Families (tools/model_families.py): tiny dummy-weight vLLM CPU engines of each attention kind. Per family,
+every arm a fresh engine process (vLLM's own prefix cache off where the family allows it):
+  recompute   no connector
+  store       the connector on a fresh kvfs mount: computes and stores the prompts (not measured)
+  hit         a fresh engine, the connector, the same prompts: full hits (TTFT measured)
+  bytes       a fresh engine, the connector with direct_reads off, the same prompts: every byte of the
+              load goes through the mount, whose read() counter (.kvfs/stats bytes_read) is the bytes a
+              full hit reads
+Prompts: --reps distinct token sequences of --tokens + 1 tokens (a hit of --tokens, a chunk multiple),
+after one warm-up request per engine. Dummy weights make KV that says nothing about compression: stored/raw
+is not measured here (docs/benchmarks.md gives it from real and real-derived KV).
+
+    .venv/bin/python tools/bench_models.py [--families ...] [--tokens 2048] [--reps 3]
+Table on stdout, JSON in bench-results/bench_models.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_driver  # noqa: E402
+from bench_harness import REPO, Mount  # noqa: E402
+from model_families import FAMILIES, fp8_unavailable, model_dir  # noqa: E402
+
+SOURCES = sorted(Path(sys.base_prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}").glob("*.py"))
+
+
+def prompts(n: int, count: int, tokenizer) -> list[list[int]]:
+    """count distinct token sequences of n tokens (Python standard library sources), one more for warm-up."""
+    out, seen = [], set()
+    for path in SOURCES:
+        ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+        if len(ids) >= n and tuple(ids[:64]) not in seen:
+            seen.add(tuple(ids[:64]))
+            out.append(ids[:n])
+        if len(out) == count + 1:
+            return out
+    raise SystemExit(f"not enough source files of {n} tokens")
+
+
+def engine(tmp: Path, model: Path, rounds: list[dict], mount: Path | None, options: dict, **extra) -> dict:
+    conn = None
+    if mount is not None:
+        conn = {"kv_connector": "KVFSConnector", "kv_connector_module_path": "kvfs_connector",
+                "kv_connector_extra_config": {"mount": str(mount), **extra}}
+    job = {"model": str(model), "connector": conn, "rounds": rounds, "max_model_len": 8192,
+           "dtype": vllm_driver.engine_dtype(), "in_process": True, "load_format": "dummy", **options}
+    tmp.mkdir(parents=True, exist_ok=True)
+    log = tmp / f"engine-{len(list(tmp.glob('engine-*.log')))}.log"
+    return vllm_driver.spawn(job, log, 900, env={"PYTHONHASHSEED": "0"})
+
+
+def measure(name: str, work: Path, tokens: int, reps: int, tok) -> dict:
+    fam = FAMILIES[name]
+    model = model_dir(work, fam)
+    seqs = prompts(tokens + 1, reps, tok)
+    warm, measured = seqs[0], seqs[1:]
+    rounds = [{"prompts": [warm], "max_tokens": 1}, {"prompts": measured, "max_tokens": 1, "concurrency": 1}]
+    recompute = engine(work / name / "recompute", model, rounds, None, fam.options)
+    m = Mount(str(REPO / ".venv" / "bin" / "kvfs"), "auto", work / name / "kvfs", Path("/dev/shm"), 4 << 30, name)
+    m.start()
+    try:
+        engine(work / name / "store", model, rounds, m.mountpoint, fam.options)
+        files = {str(p.relative_to(m.mountpoint)): p.stat().st_size for p in m.mountpoint.glob("*/*/*.kv")}
+        hit = engine(work / name / "hit", model, rounds, m.mountpoint, fam.options)
+        before = m.stats()["bytes_read"]
+        through = engine(work / name / "bytes", model, rounds, m.mountpoint, fam.options, direct_reads=False)
+        read = m.stats()["bytes_read"] - before
+    finally:
+        m.stop([])
+        m.remove_dirs()
+    hits = [r["num_cached_tokens"] for r in hit["rounds"][1]]
+    if any(h < tokens for h in hits) or [r["num_cached_tokens"] for r in through["rounds"][1]] != hits:
+        raise SystemExit(f"{name}: not every request was a full hit: {hits}")
+    parts = {}
+    for rel, size in files.items():
+        ns = rel.split("/")[0]
+        parts.setdefault(ns, []).append(size)
+    ttft = lambda r: statistics.median(x["ttft_s"] for x in r["rounds"][1])  # noqa: E731
+    return {"family": name, "attention": fam.attention, "parts": list(fam.parts), "hit_tokens": hits[0],
+            "ttft_recompute_s": ttft(recompute), "ttft_hit_s": ttft(hit),
+            "speedup": ttft(recompute) / ttft(hit), "bytes_read_per_hit": read / (reps + 1),
+            "file_bytes_per_namespace": {ns: sum(v) // len(v) for ns, v in parts.items()},
+            "files_per_namespace": {ns: len(v) for ns, v in parts.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--tokens", type=int, default=2048, help="hit length (a multiple of every chunk size)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "bench-results" / "bench_models.json"))
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(REPO / ".venv" / "opt" / "models" / "SmolLM2-135M-Instruct")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-models-", dir="/var/tmp") as tmp:
+        for name in args.families:
+            if FAMILIES[name].options.get("kv_cache_dtype") and (why := fp8_unavailable()):
+                print(f"{name}: skipped ({why})")
+                continue
+            t0 = time.perf_counter()
+            rows.append(measure(name, Path(tmp), args.tokens, args.reps, tok))
+            print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\nfull hit of {args.tokens} tokens, median of {args.reps} requests, vLLM {vllm_driver.engine_dtype()} "
+          "on CPU, tiny dummy-weight models")
+    print(f"{'family':<11} {'parts':<12} {'recompute s':>11} {'hit s':>7} {'speedup':>7} {'read/hit MB':>11}  "
+          "bytes per file (per namespace)")
+    for r in rows:
+        sizes = ", ".join(f"{n}x{b / 1e6:.3f} MB" for ns, b in r["file_bytes_per_namespace"].items()
+                          for n in [r["files_per_namespace"][ns]])
+        print(f"{r['family']:<11} {'+'.join(r['parts']):<12} {r['ttft_recompute_s']:>11.3f} {r['ttft_hit_s']:>7.3f} "
+              f"{r['speedup']:>6.1f}x {r['bytes_read_per_hit'] / 1e6:>11.3f}  {sizes}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"tokens": args.tokens, "reps": args.reps, "dtype": vllm_driver.engine_dtype(),
+                               "rows": rows}, indent=1))
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
