@@ -13,9 +13,10 @@
  *
  * Signs: one bit per element, 8 per byte, either as they are or as the XOR of each sign with the one before
  * (a channel's signs persist, and RoPE'd K channels alternate: XOR turns both into runs of equal bits; the
- * encoder picks the plane whose bytes have the smaller order-0 entropy). The sign bytes of each block are
- * huff0-coded in SIGN_GROUPS groups of classes: large channels (outliers, offsets) keep their sign, small ones
- * flip, so a table per range of levels is sharper (0.0012-0.0035 of stored/raw).
+ * encoder picks the plane whose bytes have the smaller order-0 entropy, measured on a quarter of them). The
+ * sign bytes of each block are huff0-coded in SIGN_GROUPS groups of classes: large channels (outliers,
+ * offsets) keep their sign, small ones flip, so a table per range of levels is sharper (0.0012-0.0035 of
+ * stored/raw).
  *
  * Optionally the k lowest magnitude bits are stored raw as bit planes (k = 0..3: shorter codes, so a faster
  * huff0 decode; kvfs writes k = 0, the smallest). Byte-level format: docs/format.md ("codec 5"). Sections
@@ -120,12 +121,20 @@ static void xor_signs(const uint8_t *sg, size_t n, uint8_t *out) {
     if (n % 8) out[len - 1] &= (uint8_t)((1u << (n % 8)) - 1);
 }
 
-/* Order-0 cost of a byte plane in bits, up to a constant common to planes of one length: -sum c log2 c. */
+/* Order-0 cost of a byte plane in bits, up to a constant common to planes of one length: -sum c log2 c, over
+ * runs of 256 bytes, one in every SAMPLE_EVERY (all of a plane shorter than that many runs). */
+#ifndef SAMPLE_EVERY
+#define SAMPLE_EVERY 4
+#endif
 static double plane_cost(const uint8_t *p, size_t len) {
     uint32_t h[4][256] = {{0}};  /* four histograms: no store-to-load stall on runs of one byte */
-    size_t i = 0;
-    for (; i + 4 <= len; i += 4) h[0][p[i]]++, h[1][p[i + 1]]++, h[2][p[i + 2]]++, h[3][p[i + 3]]++;
-    for (; i < len; i++) h[0][p[i]]++;
+    const size_t every = len >= SAMPLE_EVERY * 256 * 16 ? SAMPLE_EVERY * 256 : 256;
+    for (size_t a = 0; a < len; a += every) {
+        const size_t b = a + 256 < len ? a + 256 : len;
+        size_t i = a;
+        for (; i + 4 <= b; i += 4) h[0][p[i]]++, h[1][p[i + 1]]++, h[2][p[i + 2]]++, h[3][p[i + 3]]++;
+        for (; i < b; i++) h[0][p[i]]++;
+    }
     double cost = 0;
     for (int v = 0; v < 256; v++) {
         const uint32_t c = h[0][v] + h[1][v] + h[2][v] + h[3][v];
