@@ -404,3 +404,93 @@ def _fill(directory, n: int, size: int = 1 << 20) -> None:
     directory.mkdir(exist_ok=True)
     for i in range(n):
         (directory / f"f{i}").write_bytes(os.urandom(size))
+
+
+# -- fp8 bytes and MLA latents: the same worker path on every device (a GPU host runs the CUDA cases) --------
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def _real_fp8_cache(blocks: int, layer: int, scale: float = 1.0) -> torch.Tensor:
+    """A token-kv paged cache `[blocks, 3 heads, 16, K(64) | V(64)]` of real-derived fp8 KV: layer `layer` of
+    SmolLM2's real bf16 KV (tests/data/kv: 128 tokens, repeated along the blocks) cast to e4m3 under a
+    per-tensor scale, as vLLM's cache writers do (round to nearest here; vLLM's CPU kernels truncate)."""
+    raw = open(os.path.join(os.path.dirname(__file__), "data", "kv", "bf16-prose-0004.kv"), "rb").read()
+    a = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(30, 3, 2, 8192)[layer]
+    k = a[:, 0].reshape(3, 64, 128).permute(0, 2, 1)  # [head][token][dim]
+    v = a[:, 1].reshape(3, 128, 64)
+    kv = torch.cat([k, v], dim=-1)  # [head][token][K | V]
+    tokens = kv.repeat(1, -(-blocks * 16 // 128), 1)[:, :blocks * 16]  # [head][token][128]
+    cache = tokens.reshape(3, blocks, 16, 128).permute(1, 0, 2, 3).contiguous()
+    return (cache.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _part_worker(directory, device, kind, blocks=12, **kw):
+    if kind == "fp8":
+        g = layouts.Geometry(num_layers=3, num_kv_heads=3, head_size=64, block_size=16, chunk_size=32,
+                             dtype=torch.uint8)
+        shape, engine = (blocks, 3, 16, 128), layouts.EngineLayout("FLASH_ATTN")
+    else:
+        g = layouts.Geometry(num_layers=3, num_kv_heads=1, head_size=576, block_size=16, chunk_size=32,
+                             dtype=torch.bfloat16)
+        shape, engine = (blocks, 1, 16, 576), layouts.EngineLayout("CPU_MLA" if device == "cpu" else "FLASHMLA")
+    caches = []
+    for layer in range(3):
+        if kind == "fp8":
+            caches.append(_real_fp8_cache(blocks, 10 * layer).to(device))
+        else:
+            caches.append(torch.randn(shape).to(torch.bfloat16).to(device))
+    lay = layouts.choose(g, shape, engine)
+    w = WorkerSide(lay, caches, {f"layer.{i}": i for i in range(3)}, 0,
+                   MountGuard(str(directory), require_mount=False), io_threads=2, max_pending_save_bytes=1 << 30,
+                   dtype_hint=b"fp8_e4m3" if kind == "fp8" else None, **kw)
+    tokens = list(range(500, 532))
+    spec = SaveSpec("r", [str(directory / kind / "ab" / "ab01.kv")], 0, 32, chunkfile.token_digest(tokens), [7, 2])
+    return w, caches, spec
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["fp8", "mla"])
+def test_fp8_bytes_and_mla_latents_round_trip_bit_exactly(tmp_path, device, kind):
+    w, caches, spec = _part_worker(tmp_path, device, kind)
+    original = [c.clone() for c in caches]
+    w.save([spec])
+    w.flush(10)
+    assert w.stats["saved_chunks"] == 1
+    for c in caches:
+        c.zero_()
+    assert _load(w, spec, [3, 10]) == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(c[3].view(torch.uint8).cpu(), o[7].view(torch.uint8).cpu())
+        assert torch.equal(c[10].view(torch.uint8).cpu(), o[2].view(torch.uint8).cpu())
+        assert not c[[0, 1, 2, 4, 5, 6, 7, 8, 9, 11]].any()
+    w.shutdown()
+
+
+def test_fp8_chunks_are_coded_as_one_byte_floats_in_kvfs(make_mount):
+    """Real-derived e4m3 KV (128 real tokens of three layers) saved by the worker into a mount (past FUSE):
+    kvfs codes it with its codec for 1-byte floats (5, entropy8) below 0.80 of raw, and it loads back
+    bit-exactly."""
+    m = make_mount().start()
+    w, caches, _ = _part_worker(m.mountpoint, "cpu", "fp8", blocks=17)
+    g = dataclasses.replace(w.layout.g, chunk_size=128)  # the 128 real tokens, none repeated
+    w.shutdown()
+    lay = layouts.choose(g, tuple(caches[0].shape), layouts.EngineLayout("FLASH_ATTN"))
+    w = WorkerSide(lay, caches, {f"layer.{i}": i for i in range(3)}, 0,
+                   MountGuard(str(m.mountpoint), require_mount=False), io_threads=2,
+                   max_pending_save_bytes=1 << 30, dtype_hint=b"fp8_e4m3")
+    original = [c.clone() for c in caches]
+    path = str(m.mountpoint / "fp8" / "ab" / "ab02.kv")
+    spec = SaveSpec("r", [path], 0, 128, chunkfile.token_digest(range(128)), list(range(8)))
+    w.save([spec])
+    w.flush(10)
+    assert w.stats["saved_direct"] == 1
+    assert os.getxattr(path, "user.kvfs.dtype") == b"fp8_e4m3" and os.getxattr(path, "user.kvfs.codec") == b"entropy8"
+    ratio = int(os.getxattr(path, "user.kvfs.stored_bytes")) / os.stat(path).st_size
+    print(f"fp8 chunk through the connector: stored/raw {ratio:.4f}")
+    assert ratio < 0.80, ratio
+    for c in caches:
+        c.zero_()
+    assert _load(w, spec, list(range(8, 16)), end=8) == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(c[8:16], o[0:8])
+    w.shutdown()
