@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The connector's GPU checks on a CUDA host, with or without vLLM: the worker tests with their CUDA cases
-# (side streams, pinned staging, the cross-stream race tests) and the load benchmark (tools/bench_gpu_load.py).
+# (side streams, pinned staging, the cross-stream race tests, fp8 bytes and MLA latents on the device) and the
+# load benchmark (tools/bench_gpu_load.py). With KVFS_GPU_ENGINES=1 also the model-family engine tests on the
+# GPU (tests/test_vllm_models.py: fp8 KV, MLA, sliding windows; needs a CUDA build of vLLM, /dev/fuse and the
+# SmolLM2 tokenizer in .venv/opt/models, as tools/install_vllm.sh leaves it).
 # Uses the host's python3 and torch; kvfs's own Python deps must be importable (pip install -e . does it; on
 # a machine without an index, put wheels on PYTHONPATH). Output: $OUT (default bench-results/).
 #
@@ -23,5 +26,11 @@ fi
 tests=${PIPESTATUS[0]}
 "$PY" tools/bench_gpu_load.py --out "$OUT/bench_gpu_load.json" "$@" 2>&1 | tee "$OUT/gpu-bench.log"
 bench=${PIPESTATUS[0]}
-echo "tests rc=$tests bench rc=$bench"
-exit $((tests || bench))
+engines=0
+if [ "${KVFS_GPU_ENGINES:-0}" = 1 ]; then
+    "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_vllm_models.py -k "fp8 or mla or gemma3" 2>&1 \
+        | tee "$OUT/gpu-engines.log"
+    engines=${PIPESTATUS[0]}
+fi
+echo "tests rc=$tests bench rc=$bench engines rc=$engines"
+exit $((tests || bench || engines))
