@@ -603,3 +603,29 @@ def test_a_recurrent_hybrids_state_round_trips_through_vllms_specs(configs):
     assert torch.equal(kv[mixers[0]][3], kv[mixers[0]][9]) and torch.equal(kv[mixers[1]][5], kv[mixers[1]][11])
     sched.shutdown()
     conn.shutdown()
+
+
+def test_an_unstorable_model_stops_the_engine_unless_told_to_run_without_kvfs(configs):
+    """Recurrent state without prefix caching (mamba_cache_mode "none"): nothing to restore. The connector
+    refuses at start with the reason; with "unsupported": "disable" it logs it and the engine runs without it."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvfs_connector.connector import KVFSConnector
+    from kvfs_connector.model import UnsupportedModel
+
+    vc, _, _, mount = configs
+    mamba = MambaSpec(block_size=128, shapes=((3, 64),), dtypes=(torch.bfloat16,), mamba_cache_mode="none")
+    full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    kcc = _kcc([(["model.layers.1.self_attn.attn"], full)], 128)
+    kcc.kv_cache_groups.insert(0, type(kcc.kv_cache_groups[0])(["model.layers.0.mixer"], mamba))
+    with pytest.raises(UnsupportedModel, match="mamba_cache_mode 'none'.*refusing to start"):
+        KVFSConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+    ktc = KVTransferConfig(kv_connector="KVFSConnector", kv_connector_module_path="kvfs_connector",
+                           kv_role="kv_both", kv_connector_extra_config={"mount": mount, "require_mount": False,
+                                                                         "unsupported": "disable"})
+    off = KVFSConnector(dataclasses.replace(vc, kv_transfer_config=ktc), KVConnectorRole.SCHEDULER, kcc)
+    assert "recurrent state" in off.disabled_reason and off.planner is None
+    assert off.get_num_new_matched_tokens(object(), 0) == (0, False)
+    off.shutdown()
