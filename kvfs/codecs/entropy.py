@@ -57,16 +57,36 @@ def _encode_buffer(cap: int) -> np.ndarray:
 def encode(data, stride: int = 1, version: int = 0) -> bytes | None:
     """The payload, or None when it would not be smaller than the input (the caller stores raw). `version`
     0 is what kvfs writes (3 for frames of 64 KiB and more); 1-3 force one, for comparisons."""
+    return kernel_encode("entropy", ERRORS, data, OVERHEAD,
+                         lambda src, n, dst, cap: _lib.kvec_encode_version(src, n, stride, WINDOW_LOG, dst, cap,
+                                                                           version))
+
+
+def kernel_encode(name: str, errors: dict, data, overhead: int, call) -> bytes | None:
+    """Run a kernel encoder call(src, n, dst, capacity) -> size into this thread's buffer: the payload, or
+    None when it is not smaller than the input (-1: it did not fit). Any other negative size is an error."""
     src, n, keep = _address(data)
-    cap = n + OVERHEAD
+    cap = n + overhead
     out = _encode_buffer(cap)
-    size = _lib.kvec_encode_version(src, n, stride, WINDOW_LOG, out.ctypes.data, cap, version)
+    size = call(src, n, out.ctypes.data, cap)
     del keep
     if size == -1:
         return None
     if size < 0:
-        raise CodecError(f"entropy encode: {ERRORS.get(size, size)}")
+        raise CodecError(f"{name} encode: {errors.get(size, size)}")
     return out[:size].tobytes() if size < n else None
+
+
+def kernel_decode_into(name: str, errors: dict, payload, out, call) -> None:
+    """Run a kernel decoder call(src, n, dst, raw_len) -> 0 into a writable buffer of the raw length."""
+    src, n, keep = _address(payload)
+    arr = np.frombuffer(out, dtype=np.uint8)
+    if not arr.flags.writeable:
+        raise ValueError("output buffer is read-only")
+    rc = call(src, n, arr.ctypes.data if arr.size else 0, arr.size)
+    del keep
+    if rc:
+        raise CodecError(f"{name}: {errors.get(rc, rc)}")
 
 
 def decode(payload, raw_len: int) -> memoryview:
@@ -78,14 +98,7 @@ def decode(payload, raw_len: int) -> memoryview:
 
 def decode_into(payload, out) -> None:
     """Decode into a writable buffer of exactly the raw length. CodecError on any inconsistency."""
-    src, n, keep = _address(payload)
-    arr = np.frombuffer(out, dtype=np.uint8)
-    if not arr.flags.writeable:
-        raise ValueError("output buffer is read-only")
-    rc = _lib.kvec_decode(src, n, arr.ctypes.data if arr.size else 0, arr.size)
-    del keep
-    if rc:
-        raise CodecError(f"entropy: {ERRORS.get(rc, rc)}")
+    kernel_decode_into("entropy", ERRORS, payload, out, _lib.kvec_decode)
 
 
 class EntropyCodec:

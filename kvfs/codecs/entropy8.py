@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernel
-from .base import CodecError
-from .entropy import _address, _encode_buffer
+from .entropy import kernel_decode_into, kernel_encode
 
 # beyond the input: the 16-byte header and, per 128 KiB piece of each of at most 66 sections, a 4-byte piece
 # header; a payload that does not fit in raw + OVERHEAD is not smaller than raw and the frame is stored raw
@@ -28,18 +27,10 @@ ERRORS = {-1: "output larger than its capacity", -2: "malformed payload", -3: "H
 def encode(data, low_bits: int = -1) -> bytes | None:
     """The payload, or None when it would not be smaller than the input (the caller stores raw). `low_bits`
     -1 is what kvfs writes; 0-3 force that many magnitude bits stored raw, for comparisons."""
-    src, n, keep = _address(data)
-    if n == 0:
+    if not memoryview(data).nbytes:
         return None
-    cap = n + OVERHEAD
-    out = _encode_buffer(cap)
-    size = _lib.kf8_encode_k(src, n, out.ctypes.data, cap, low_bits)
-    del keep
-    if size == -1:
-        return None
-    if size < 0:
-        raise CodecError(f"entropy8 encode: {ERRORS.get(size, size)}")
-    return out[:size].tobytes() if size < n else None
+    return kernel_encode("entropy8", ERRORS, data, OVERHEAD,
+                         lambda src, n, dst, cap: _lib.kf8_encode_k(src, n, dst, cap, low_bits))
 
 
 def decode(payload, raw_len: int) -> memoryview:
@@ -51,14 +42,7 @@ def decode(payload, raw_len: int) -> memoryview:
 
 def decode_into(payload, out) -> None:
     """Decode into a writable buffer of exactly the raw length. CodecError on any inconsistency."""
-    src, n, keep = _address(payload)
-    arr = np.frombuffer(out, dtype=np.uint8)
-    if not arr.flags.writeable:
-        raise ValueError("output buffer is read-only")
-    rc = _lib.kf8_decode(src, n, arr.ctypes.data if arr.size else 0, arr.size)
-    del keep
-    if rc:
-        raise CodecError(f"entropy8: {ERRORS.get(rc, rc)}")
+    kernel_decode_into("entropy8", ERRORS, payload, out, _lib.kf8_decode)
 
 
 class Entropy8Codec:
