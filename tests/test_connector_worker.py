@@ -494,3 +494,32 @@ def test_fp8_chunks_are_coded_as_one_byte_floats_in_kvfs(make_mount):
     for c, o in zip(caches, original):
         assert torch.equal(c[8:16], o[0:8])
     w.shutdown()
+
+
+def test_asynchronous_loads_finish_by_request_and_fail_by_request(tmp_path, case):
+    """Hybrid models' loads (LoadSpec.asynchronous): no layer waits for them; poll_async reports a request
+    once every load of it is in the paged cache (device copies done), and the failed ones by request, with
+    no block ids (vLLM refuses those from models of several groups)."""
+    w, caches, spec, tokens = _worker(tmp_path, case)
+    original = [c.clone() for c in caches]
+    w.save([spec])
+    w.flush(10)
+    good = LoadSpec("a", spec.paths, spec.first_token, spec.n_tokens, spec.token_digest, [0, 9], 0, 2,
+                    asynchronous=True)
+    bad = dataclasses.replace(good, req_id="b", block_ids=[1, 8], token_digest=b"\0" * 16)
+    w.start_load([good, bad])
+    w.finish_loads()  # the step ends: asynchronous loads go on
+    finished, failed = set(), set()
+    deadline = time.monotonic() + 10
+    while finished != {"a", "b"} and time.monotonic() < deadline:
+        done, bad_ones = w.poll_async()
+        finished |= done
+        failed |= bad_ones
+        time.sleep(0.005)
+    assert finished == {"a", "b"} and failed == {"b"}
+    assert w.take_failed_blocks() == set()
+    for c, o in zip(caches, original):
+        assert torch.equal(_bits(c[0]), _bits(o[5])) and torch.equal(_bits(c[9]), _bits(o[2]))
+        assert torch.equal(_bits(c[1]), _bits(o[1])) and torch.equal(_bits(c[8]), _bits(o[8]))  # untouched
+    assert w.poll_async() == (set(), set())
+    w.shutdown()
