@@ -135,9 +135,15 @@ class WorkerSide:
                 self._loads.append(_Load(spec, result))
         self._layers_waited = set()
 
-    def poll_async(self) -> tuple[set[str], set[str]]:
+    def poll_async(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads have all ended (read, verified and copied into the paged cache,
-        or failed), and those among them with a failed load: vLLM recomputes them whole."""
+        or failed), and those among them with a failed load: vLLM recomputes them whole. wait_s: wait that
+        long at most for the reads still running (the forward thread then gives the readers the GIL and
+        the CPU, and the request is reported in this step's output instead of a later one)."""
+        if wait_s > 0:
+            pending = [ld.future for loads in self._async.values() for ld in loads if not ld.future.done()]
+            if pending:
+                cf.wait(pending, timeout=wait_s)
         finished, failed = set(), set()
         for req_id, loads in list(self._async.items()):
             if not all(ld.future.done() for ld in loads):
