@@ -67,6 +67,9 @@ def main() -> None:
               help="TOML configuration file")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="where the index lives")
 @click.option("--allow-other", is_flag=True, default=None, help="let other users access the mount")
+@click.option("--frontend", type=click.Choice(["pyfuse3", "native"]),
+              help="the FUSE front end: pyfuse3 (default) or native (libfuse's multi-threaded loop in C threads, "
+                   "kvfs/frontend; docs/frontend.md)")
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
@@ -86,16 +89,16 @@ def main() -> None:
               help="publish KV events (vLLM's wire format) on a ZMQ PUB endpoint, e.g. tcp://*:5557 (docs/events.md)")
 @click.option("--events-replay", "events_replay", metavar="ENDPOINT",
               help="a ZMQ ROUTER endpoint where subscribers replay missed event batches, e.g. tcp://*:5558")
-def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_takeover, force, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, foreground,
-          log_file, debug, metrics_port, metrics_address, key_file, old_key_files, tenant_keys, encrypt,
+def mount(mountpoint, l2, l3, l4, l4_capacity, l4_path_style, l4_shared, l4_takeover, force, l4_write, promote, idle, codec, dtype, lossy_mode, config_file, state_dir, allow_other, frontend,
+          foreground, log_file, debug, metrics_port, metrics_address, key_file, old_key_files, tenant_keys, encrypt,
           events_endpoint, events_replay):
     """Mount kvfs at MOUNTPOINT (an embedded default configuration works with no options)."""
     try:
         cfg = build_config(mountpoint, config_file=config_file, l2=l2, l3=l3 or None, l4=l4, l4_capacity=l4_capacity,
                            l4_path_style=l4_path_style, l4_shared=l4_shared, l4_write=l4_write,
                            promote=promote, idle=idle, codec=codec,
-                           dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, foreground=foreground,
-                           debug=debug, log_file=log_file, metrics_port=metrics_port,
+                           dtype=dtype, lossy_mode=lossy_mode, state_dir=state_dir, allow_other=allow_other, frontend=frontend,
+                           foreground=foreground, debug=debug, log_file=log_file, metrics_port=metrics_port,
                            metrics_address=metrics_address,
                            l4_takeover="force" if force else "expired" if l4_takeover else None,
                            key_file=key_file, old_key_files=old_key_files, encrypt=encrypt,

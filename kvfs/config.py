@@ -174,6 +174,7 @@ class Config:
     max_dirty: int = 256 << 20  # bytes of unsaved frames across open files (build_config: default_max_dirty())
     max_backlog: int | None = None  # [mount] max_backlog: L2 bytes behind that mean congested (None: 15% of L2)
     allow_other: bool = False
+    frontend: str = "pyfuse3"  # the FUSE front end: pyfuse3, or native (kvfs/frontend, libfuse in C threads)
     foreground: bool = False
     debug: bool = False
     log_file: Path | None = None
@@ -199,6 +200,15 @@ class Config:
     def tiers(self) -> tuple[TierConfig, ...]:
         """Fastest first."""
         return tuple(t for t in (self.l2, self.l3, self.l4) if t is not None)
+
+
+FRONTENDS = ("pyfuse3", "native")
+
+
+def _frontend(value) -> str:
+    if value not in FRONTENDS:
+        raise ConfigError(f"[mount] frontend = {value!r}: choose one of {', '.join(FRONTENDS)}")
+    return value
 
 
 def default_max_dirty() -> int:
@@ -379,6 +389,7 @@ def build_config(
     lossy_mode: str | None = None,
     state_dir: str | Path | None = None,
     allow_other: bool | None = None,
+    frontend: str | None = None,
     foreground: bool = False,
     debug: bool = False,
     log_file: str | Path | None = None,
@@ -468,6 +479,7 @@ def build_config(
         max_dirty=max_dirty,
         max_backlog=max_backlog,
         allow_other=bool(mount_t.get("allow_other", False) if allow_other is None else allow_other),
+        frontend=_frontend(frontend or mount_t.get("frontend", "pyfuse3")),
         foreground=foreground,
         debug=debug or bool(mount_t.get("debug", False)),
         log_file=Path(lfile).expanduser() if lfile else None,

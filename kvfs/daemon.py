@@ -1,6 +1,6 @@
 """One daemon per mount: open the index, reconcile, mount, and run one trio nursery that owns everything.
 
-Shutdown (SIGTERM/SIGINT, or `kvfs umount` which unmounts and lets pyfuse3.main return): commit files
+Shutdown (SIGTERM/SIGINT, or `kvfs umount` which unmounts and lets the front end's main return): commit files
 still open with unsaved data, flush batched access times, fsync and checkpoint the index, unmount.
 """
 
@@ -16,13 +16,13 @@ import signal
 import sys
 from pathlib import Path
 
-import pyfuse3
 import trio
 
 from . import crypto, metrics, native_stderr, owner, sdnotify
 from .codecs import qat
 from .codecs.qat import QatCodec
 from .config import Config, ConfigError
+from .frontend import api as fuse
 from .fs import Operations
 from .index import Index
 from .locks import InodeLocks
@@ -141,7 +141,8 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
 
     publisher = _start_events(config, ops)  # bound before mounting, as the metrics port
 
-    options = set(pyfuse3.default_options)
+    fuse.use(config.frontend)
+    options = set(fuse.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if config.allow_other:
         options.add("allow_other")
@@ -149,16 +150,17 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
     if config.metrics_port is not None:
         exporter = metrics.start(ops.stats_doc, ops.latency, config.metrics_address, config.metrics_port)
     try:
-        pyfuse3.init(ops, str(config.mountpoint), options)
+        fuse.init(ops, str(config.mountpoint), options)
     except RuntimeError as e:  # libfuse said why on stderr (the log): no access to /dev/fuse, not permitted, …
         if exporter is not None:
             exporter.close()
         if publisher is not None:
             publisher.close()
         raise SystemExit(f"kvfs: mounting {config.mountpoint} failed ({e}): see the lines above") from None
-    log.info("mounted %s (%s; codec %s, promotion %s, %d files)", config.mountpoint,
+    log.info("mounted %s (%s; codec %s, promotion %s, %d files%s)", config.mountpoint,
              ", ".join(f"{t.name} {t.describe()} {_capacity(t.capacity)}" for t in config.tiers), config.codec,
-             config.promotion, sum(t.files for t in tiers))
+             config.promotion, sum(t.files for t in tiers),
+             "" if config.frontend == "pyfuse3" else f", front end {config.frontend}")
     sdnotify.notify("READY=1", f"STATUS=mounted {config.mountpoint}")
     clean = False
     try:
@@ -169,7 +171,7 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
             exporter.close()
         if publisher is not None:
             publisher.close()
-        pyfuse3.close(unmount=True)
+        fuse.close(unmount=True)
         ops.pages.helpers.close()  # after the unmount: a stat still waiting fails with it
         index.close()
         log.info("unmounted %s%s", config.mountpoint, "" if clean else " after an error")
@@ -276,7 +278,7 @@ async def _serve(ops: Operations, index: Index, mover: Mover, exporter: metrics.
             nursery.start_soon(ops.events.run)
         if ops.shared is not None:
             nursery.start_soon(ops.shared.log_reads_periodically, ops.shared.tier.location.access_log_s)
-        await pyfuse3.main()
+        await fuse.main()
         # main() returned: the kernel unmounted us, or a signal asked us to stop
         sdnotify.notify("STOPPING=1", f"STATUS=unmounting {ops.config.mountpoint}")
         await ops.commit_all()
@@ -339,7 +341,7 @@ async def _watch_signals() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("received %s, unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
+            fuse.terminate()
             return
 
 

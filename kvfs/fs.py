@@ -1,4 +1,5 @@
-"""pyfuse3 Operations: translate FUSE requests into index and open-file operations.
+"""The FUSE Operations: translate FUSE requests into index and open-file operations (in pyfuse3's calling
+convention, for either front end: kvfs/frontend).
 
 Every handler runs under `_guard`, which turns anything unexpected into a logged EIO so no request can
 kill the mount. Regular-file content goes through openfile.OpenFile; names and attributes through
@@ -16,7 +17,6 @@ import os
 import stat
 import time
 
-import pyfuse3
 import trio
 
 from . import crypto, direct, events, quotas
@@ -27,6 +27,7 @@ from . import metrics
 from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name
+from .frontend import api as fuse
 from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, XA_TTL, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index, object_id
@@ -78,33 +79,33 @@ def _guard(fn):
     async def wrapper(self: "Operations", *args, **kwargs):
         try:
             return await fn(self, *args, **kwargs)
-        except pyfuse3.FUSEError:
+        except fuse.FUSEError:
             raise
         except FileCorrupt as e:
             await self.drop_corrupt(e)
-            raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, PublishedGone) else errno.EIO) from None
+            raise fuse.FUSEError(errno.ENOENT if isinstance(e, PublishedGone) else errno.EIO) from None
         except crypto.KeyUnavailable as e:  # the file is kept: listing its key again makes it readable
             self.counters.key_unavailable += 1
             if self.counters.key_unavailable == 1:
                 log.warning("%s: %s (EIO; counted in key_unavailable, logged once)", fn.__name__, e.strerror)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise fuse.FUSEError(errno.EIO) from None
         except OSError as e:
             if e.errno in EXPECTED_ERRNOS:
                 log.debug("%s: %s", fn.__name__, e)
             else:
                 self.counters.errors += 1
                 log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         except Exception:
             self.counters.errors += 1
             log.exception("unexpected error in %s; answered EIO", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise fuse.FUSEError(errno.EIO) from None
 
     return wrapper
 
 
-def _err(code: int) -> pyfuse3.FUSEError:
-    return pyfuse3.FUSEError(code)
+def _err(code: int) -> fuse.FUSEError:
+    return fuse.FUSEError(code)
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ class Handle:
     read_seen: bool = False  # its first read was counted as a hit of the tier that served it
 
 
-class Operations(pyfuse3.Operations):
+class Operations(fuse.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
     enable_acl = False
@@ -166,8 +167,8 @@ class Operations(pyfuse3.Operations):
         return self.open_files.get(ino)
 
     # -- attributes --------------------------------------------------------------------------------
-    def _attrs(self, row) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def _attrs(self, row) -> fuse.EntryAttributes:
+        a = fuse.EntryAttributes()
         ino = row["id"]
         self.attrs_given.add(ino)
         a.st_ino = ino
@@ -194,8 +195,8 @@ class Operations(pyfuse3.Operations):
                 a.st_ctime_ns = max(state.ctime_ns, a.st_ctime_ns)
         return a
 
-    def _virtual_attrs(self, ino: int) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def _virtual_attrs(self, ino: int) -> fuse.EntryAttributes:
+        a = fuse.EntryAttributes()
         a.st_ino = ino
         a.entry_timeout = TIMEOUT
         a.attr_timeout = TIMEOUT
@@ -219,7 +220,7 @@ class Operations(pyfuse3.Operations):
     def _ref(self, ino: int) -> None:
         self.lookups[ino] = self.lookups.get(ino, 0) + 1
 
-    def _entry(self, ino: int) -> pyfuse3.EntryAttributes:
+    def _entry(self, ino: int) -> fuse.EntryAttributes:
         attrs = self._attrs(self._row(ino))
         self._ref(ino)
         return attrs
@@ -264,7 +265,7 @@ class Operations(pyfuse3.Operations):
         session loop, where it would end the mount."""
         try:
             await self._forget(inode_list)
-        except pyfuse3.FUSEError:
+        except fuse.FUSEError:
             pass
 
     @_guard
@@ -434,7 +435,7 @@ class Operations(pyfuse3.Operations):
                 raise _err(errno.EACCES)
             snapshot = self.render_stats() if inode == STATS_INODE else self.fsck.render()
             fh = self._new_handle(Handle(inode, None, flags, snapshot))
-            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+            return fuse.FileInfo(fh=fh, direct_io=True)
         await self.pages.settled(inode)
         row = self._row(inode)
         if stat.S_ISDIR(row["mode"]):
@@ -450,7 +451,7 @@ class Operations(pyfuse3.Operations):
         except BaseException:
             await self._release_state(state)
             raise
-        return pyfuse3.FileInfo(fh=self._new_handle(Handle(inode, state, flags)), keep_cache=self._may_keep(inode, row))
+        return fuse.FileInfo(fh=self._new_handle(Handle(inode, state, flags)), keep_cache=self._may_keep(inode, row))
 
     def _may_keep(self, inode: int, row) -> bool:
         """Whether the kernel may keep serving the file's cached pages at this open. Not for a file whose object
@@ -473,7 +474,7 @@ class Operations(pyfuse3.Operations):
         state = self._acquire(ino, row)
         fh = self._new_handle(Handle(ino, state, flags))
         self._ref(ino)
-        return pyfuse3.FileInfo(fh=fh), self._attrs(row)
+        return fuse.FileInfo(fh=fh), self._attrs(row)
 
     @_guard
     async def read(self, fh, off, size):
@@ -541,7 +542,7 @@ class Operations(pyfuse3.Operations):
 
     # -- namespace ---------------------------------------------------------------------------------
     async def _make(self, parent: int, name: bytes, mode: int, ctx, rdev: int = 0,
-                    target: bytes | None = None) -> pyfuse3.EntryAttributes:
+                    target: bytes | None = None) -> fuse.EntryAttributes:
         self._check_name(name)
         self._check_mutable_dir(parent, name)
         prow = self._row(parent)
@@ -631,7 +632,7 @@ class Operations(pyfuse3.Operations):
         self._check_name(name_new)
         self._check_mutable_dir(parent_inode_old, name_old)
         self._check_mutable_dir(parent_inode_new, name_new)
-        if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE):
+        if flags & ~(fuse.RENAME_EXCHANGE | fuse.RENAME_NOREPLACE):
             raise _err(errno.EINVAL)
         ino = self.index.lookup(parent_inode_old, name_old)
         if ino is None:
@@ -639,12 +640,12 @@ class Operations(pyfuse3.Operations):
         target = self.index.lookup(parent_inode_new, name_new)
         if self._row(ino)["published_key"] or (target is not None and self._row(target)["published_key"]):
             raise _err(errno.EXDEV)  # a published name is the shared store's: copy and unlink instead
-        if flags & pyfuse3.RENAME_EXCHANGE:
+        if flags & fuse.RENAME_EXCHANGE:
             if target is None:
                 raise _err(errno.ENOENT)
             self.index.exchange(parent_inode_old, name_old, parent_inode_new, name_new)
             return
-        if target is not None and flags & pyfuse3.RENAME_NOREPLACE:
+        if target is not None and flags & fuse.RENAME_NOREPLACE:
             raise _err(errno.EEXIST)
         if target == ino:
             return  # two names of one inode: POSIX says do nothing
@@ -677,11 +678,11 @@ class Operations(pyfuse3.Operations):
         # cookies: 1 = the virtual .kvfs entry in the root; entry id + 1 for real entries
         if fh == KVFS_DIR_INODE:
             for cookie, (name, ino) in enumerate(((STATS_NAME, STATS_INODE), (FSCK_NAME, FSCK_INODE)), 1):
-                if start_id < cookie and not pyfuse3.readdir_reply(token, name, self._virtual_attrs(ino), cookie):
+                if start_id < cookie and not fuse.readdir_reply(token, name, self._virtual_attrs(ino), cookie):
                     return
             return
         if fh == ROOT_INODE and start_id < 1:
-            if not pyfuse3.readdir_reply(token, KVFS_DIR_NAME, self._virtual_attrs(KVFS_DIR_INODE), 1):
+            if not fuse.readdir_reply(token, KVFS_DIR_NAME, self._virtual_attrs(KVFS_DIR_INODE), 1):
                 return
         if start_id == 0:
             self.index.note_access(fh)  # readdir marks the directory's atime (batched like a file read's)
@@ -693,7 +694,7 @@ class Operations(pyfuse3.Operations):
             if not rows:
                 return
             for row in rows:
-                if not pyfuse3.readdir_reply(token, row["name"], self._attrs(row), row["cookie"] + 1):
+                if not fuse.readdir_reply(token, row["name"], self._attrs(row), row["cookie"] + 1):
                     return
                 self._ref(row["id"])
                 after = row["cookie"]
@@ -708,7 +709,7 @@ class Operations(pyfuse3.Operations):
 
     @_guard
     async def statfs(self, ctx):
-        s = pyfuse3.StatvfsData()
+        s = fuse.StatvfsData()
         capacity = sum(t.capacity for t in self.store.order)
         used = sum(t.used_bytes for t in self.store.order)
         s.f_bsize = s.f_frsize = BLOCK
@@ -740,9 +741,9 @@ class Operations(pyfuse3.Operations):
         state = self.open_files.get(ino)
         ref = ObjectRef.of_row(row)
         if ref is None or (state is not None and (state.modified or state.corrupt)):
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         if self.store.tenants.of_inode(self.index, ino) is not None:
-            raise _err(pyfuse3.ENOATTR)  # sealed with its tenant's key, which only the mount holds
+            raise _err(fuse.ENOATTR)  # sealed with its tenant's key, which only the mount holds
         path = self.store.tiers[ref.tier].local_path(ref.object_id)
         if path is None and self._read_through(ref) and self.mover.note_read(ino, ref.tier):
             self.index.note_access(ino)
@@ -754,9 +755,9 @@ class Operations(pyfuse3.Operations):
                     self.counters.direct_reads += 1
                     self.counters.direct_bytes += row["size"]
                     return direct.Location(ref.tier, ref.stored_bytes, row["size"], path).encode()
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         if path is None or self.store.tiers[ref.tier].sealed:  # sealed: only the mount holds the key
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         self.mover.note_read(ino, ref.tier)
         self.index.note_access(ino)
         self.counters.direct_reads += 1
@@ -768,7 +769,7 @@ class Operations(pyfuse3.Operations):
         if inode in VIRTUAL_INODES:
             if inode == KVFS_DIR_INODE and name == XA_FSCK:
                 return self.fsck.status()
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         row = self._row(inode)
         if name in INFO_XATTRS and stat.S_ISREG(row["mode"]):
             return self._info_xattr(row, name)
@@ -781,13 +782,13 @@ class Operations(pyfuse3.Operations):
         if name in REQUEST_XATTRS:
             value = self.hotcold.read(inode, name)
             if value is None:
-                raise _err(pyfuse3.ENOATTR)
+                raise _err(fuse.ENOATTR)
             return value
         if not name.startswith(b"user."):
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         value = self.index.get_xattr(inode, name)
         if value is None:
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         return value
 
     @_guard
@@ -936,7 +937,7 @@ class Operations(pyfuse3.Operations):
         if name in IGNORED_XATTRS or name in REQUEST_XATTRS:
             return
         if not self.index.remove_xattr(inode, name):
-            raise _err(pyfuse3.ENOATTR)
+            raise _err(fuse.ENOATTR)
         if name == XA_DTYPE and inode in self.open_files:
             self.open_files[inode].policy = self._policy(inode)
         if name == XA_SHAPE and inode in self.open_files:
@@ -1065,7 +1066,7 @@ class Operations(pyfuse3.Operations):
 
 def _invalidate_entry(parent: int, name: bytes, ino: int) -> None:
     try:
-        pyfuse3.invalidate_entry(parent, name, deleted=ino)
+        fuse.invalidate_entry(parent, name, deleted=ino)
     except OSError:
         pass  # not cached by the kernel: nothing to forget
 
@@ -1073,6 +1074,6 @@ def _invalidate_entry(parent: int, name: bytes, ino: int) -> None:
 def _invalidate_attrs(ino: int) -> None:
     """Tell the kernel that size/blocks changed (du right after close must see the stored size)."""
     try:
-        pyfuse3.invalidate_inode(ino, attr_only=True)
+        fuse.invalidate_inode(ino, attr_only=True)
     except OSError:
         pass  # the kernel may have forgotten the inode already

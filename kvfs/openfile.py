@@ -486,7 +486,9 @@ class OpenFile:
             raise OSError(errno.EFBIG, "file too large")
         F = self.frame_size
         view = memoryview(data)
-        keep = isinstance(data, bytes)  # immutable: a whole frame of it can be kept without a copy
+        # immutable: a whole frame of it can be kept without a copy (the native front end passes a read-only
+        # view of the request's own copy, which nothing writes)
+        keep = isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly)
         async with self.lock:
             pos = off
             while pos < end:

@@ -11,7 +11,7 @@ file, read it back later) had 4.7x the TTFT of a plain directory (docs/engines.m
 What this does, on the close (flush) of a file written in full by its only handle: after the commit, the
 daemon stats the file through its own mount (the kernel refreshes the attributes now, with the committed
 mtime, and drops the pages), then stores the committed bytes, still in memory as the dirty frames, back
-into the page cache (`pyfuse3.notify_store`). Later refreshes find the same mtime and keep the pages.
+into the page cache (`fuse.notify_store`). Later refreshes find the same mtime and keep the pages.
 
 Only when nothing else can be writing to the file's pages meanwhile: the closing handle is the only open
 one and is write-only (an mmap needs a readable descriptor), the whole content is in the dirty frames, the
@@ -44,8 +44,9 @@ import subprocess
 import sys
 import threading
 
-import pyfuse3
 import trio
+
+from .frontend import api as fuse
 
 log = logging.getLogger(__name__)
 
@@ -203,13 +204,13 @@ class PageKeeper:
     def _store(self, w: Written) -> None:
         F = self.frame_size
         for i, buf in enumerate(w.frames):
-            pyfuse3.notify_store(w.ino, i * F, memoryview(buf)[: min(F, w.size - i * F)])
+            fuse.notify_store(w.ino, i * F, memoryview(buf)[: min(F, w.size - i * F)])
 
 
 def forget_pages(ino: int) -> None:
     """Drop the kernel's cached pages of an inode (from a worker thread: the kernel may wait for reads that
     the daemon has yet to answer)."""
     try:
-        pyfuse3.invalidate_inode(ino)
+        fuse.invalidate_inode(ino)
     except OSError:
         pass

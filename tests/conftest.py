@@ -21,6 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 KV_DATA = REPO / "tests" / "data" / "kv"
 FUSERMOUNT = shutil.which("fusermount3") or "fusermount3"
+# KVFS_TEST_FRONTEND=native runs every mount of the suite on the native FUSE front end (kvfs/frontend)
+FRONTEND = os.environ.get("KVFS_TEST_FRONTEND", "")
 # the level field of a log line (QATzip's own "[Error] ..." notices, routed into the log at INFO, are not kvfs errors)
 _BAD_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL) |Traceback")
 
@@ -48,6 +50,8 @@ class KvfsMount:
             self.args += ["--l2", f"{self.l2}:{l2_size}"]
         if "--state-dir" not in args:
             self.args += ["--state-dir", str(self.state)]
+        if FRONTEND and not any(a.startswith("--frontend") for a in args):
+            self.args += ["--frontend", FRONTEND]
         for a in args:
             if a.startswith("--l3="):
                 self.l3 = Path(a.split("=", 1)[1].rpartition(":")[0])

@@ -1,0 +1,1036 @@
+/* kvfs native FUSE front end: the libfuse 3 session, its C threads, and the reply bindings.
+ *
+ * The session loop is libfuse's multi-threaded one (fuse_session_loop_mt, clone_fd, a bounded thread count),
+ * run in a C thread this module starts. A libfuse worker that receives a request copies what the request
+ * carries (names, written bytes, the caller's ids) into one heap block, appends it to a queue under a mutex
+ * and, when the queue was empty, writes an eventfd; then it goes back to read the next request. It never takes
+ * the GIL. The daemon's trio loop waits for the eventfd to be readable, takes the whole queue (`fetch`), runs
+ * each request's Python handler and answers it through the Request object's reply_* methods (libfuse allows a
+ * reply from any thread). A Request dropped without an answer answers EIO, so no caller waits forever.
+ *
+ * One session per process, as in pyfuse3 (its module-level notify functions need no session argument).
+ * Replies and notifications hold a read lock of `S.life`; close() takes it for writing before it destroys the
+ * session, so nothing answers into freed memory. See docs/frontend.md.
+ */
+#define FUSE_USE_VERSION 312
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <fuse_lowlevel.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    OP_INIT = 1, OP_LOOKUP, OP_FORGET, OP_GETATTR, OP_SETATTR, OP_READLINK, OP_MKNOD, OP_MKDIR, OP_UNLINK,
+    OP_RMDIR, OP_SYMLINK, OP_RENAME, OP_LINK, OP_OPEN, OP_READ, OP_WRITE, OP_FLUSH, OP_RELEASE, OP_FSYNC,
+    OP_OPENDIR, OP_READDIRPLUS, OP_RELEASEDIR, OP_FSYNCDIR, OP_STATFS, OP_SETXATTR, OP_GETXATTR, OP_LISTXATTR,
+    OP_REMOVEXATTR, OP_CREATE, OP_ENDED
+};
+
+/* one received request, owned by the queue, then by its Request object */
+struct kreq {
+    struct kreq *next;
+    int op;
+    int has_fh;
+    fuse_req_t req;
+    uint64_t ino, ino2, fh, size, rdev;
+    int64_t off;
+    uint32_t flags, mode;
+    uint32_t uid, gid, pid, umask;
+    struct stat st;                   /* setattr */
+    const char *name, *name2;         /* in payload, NUL-terminated */
+    size_t namelen, name2len;
+    const char *data;                 /* written bytes, xattr value, forget pairs */
+    size_t datalen;
+    char payload[];
+};
+
+static struct {
+    struct fuse_session *se;
+    pthread_mutex_t qlock;
+    struct kreq *head, *tail;
+    int efd;
+    pthread_rwlock_t life;            /* read: a reply/notify in progress; write: destroying */
+    int closed;                       /* under life */
+    pthread_t thread;
+    int running;                      /* the loop thread was started and not joined */
+    unsigned max_threads;
+    int clone_fd;
+    int want_export, want_writeback, want_acl;
+    int loop_result;
+} S = {.qlock = PTHREAD_MUTEX_INITIALIZER, .life = PTHREAD_RWLOCK_INITIALIZER, .efd = -1};
+
+static int exiting;                 /* exit() was asked: the join repeats the wake signal */
+static int wake_signal(void) { return SIGRTMIN + 3; }
+static void wake_handler(int sig) { (void)sig; }
+
+/* ---- the worker side: no GIL ------------------------------------------------------------------------ */
+
+static struct kreq *kreq_new(int op, fuse_req_t req, const char *name, const char *name2, const void *data,
+                             size_t datalen) {
+    size_t nl = name ? strlen(name) : 0, n2 = name2 ? strlen(name2) : 0;
+    struct kreq *k = malloc(sizeof(*k) + (name ? nl + 1 : 0) + (name2 ? n2 + 1 : 0) + datalen);
+    if (k == NULL)
+        return NULL;
+    memset(k, 0, sizeof(*k));
+    k->op = op;
+    k->req = req;
+    char *p = k->payload;
+    if (name) {
+        memcpy(p, name, nl + 1);
+        k->name = p;
+        k->namelen = nl;
+        p += nl + 1;
+    }
+    if (name2) {
+        memcpy(p, name2, n2 + 1);
+        k->name2 = p;
+        k->name2len = n2;
+        p += n2 + 1;
+    }
+    if (datalen) {
+        memcpy(p, data, datalen);
+        k->data = p;
+        k->datalen = datalen;
+    }
+    if (req) {
+        const struct fuse_ctx *c = fuse_req_ctx(req);
+        k->uid = c->uid;
+        k->gid = c->gid;
+        k->pid = c->pid;
+        k->umask = c->umask;
+    }
+    return k;
+}
+
+static void enqueue(struct kreq *k) {
+    pthread_mutex_lock(&S.qlock);
+    int was_empty = S.head == NULL;
+    if (S.tail)
+        S.tail->next = k;
+    else
+        S.head = k;
+    S.tail = k;
+    pthread_mutex_unlock(&S.qlock);
+    if (was_empty) {
+        uint64_t one = 1;
+        ssize_t r;
+        do
+            r = write(S.efd, &one, sizeof(one));
+        while (r < 0 && errno == EINTR);
+    }
+}
+
+/* enqueue, or answer ENOMEM when the request could not be copied */
+static void submit(struct kreq *k, fuse_req_t req) {
+    if (k == NULL) {
+        if (req)
+            fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    enqueue(k);
+}
+
+#define FI(k, fi) do { if (fi) { (k)->fh = (fi)->fh; (k)->has_fh = 1; (k)->flags = (fi)->flags; } } while (0)
+
+static void ll_init(void *userdata, struct fuse_conn_info *conn) {
+    (void)userdata;
+    conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
+    if (S.want_export && (conn->capable & FUSE_CAP_EXPORT_SUPPORT))
+        conn->want |= FUSE_CAP_EXPORT_SUPPORT;
+    if (S.want_writeback && (conn->capable & FUSE_CAP_WRITEBACK_CACHE))
+        conn->want |= FUSE_CAP_WRITEBACK_CACHE;
+    if (S.want_acl && (conn->capable & FUSE_CAP_POSIX_ACL))
+        conn->want |= FUSE_CAP_POSIX_ACL;
+    struct kreq *k = kreq_new(OP_INIT, NULL, NULL, NULL, NULL, 0);
+    if (k)
+        enqueue(k);
+}
+
+static void ll_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    struct kreq *k = kreq_new(OP_LOOKUP, req, name, NULL, NULL, 0);
+    if (k) k->ino = parent;
+    submit(k, req);
+}
+
+static void ll_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+    uint64_t pair[2] = {ino, nlookup};
+    struct kreq *k = kreq_new(OP_FORGET, NULL, NULL, NULL, pair, sizeof(pair));
+    fuse_reply_none(req);
+    if (k) enqueue(k);
+}
+
+static void ll_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets) {
+    struct kreq *k = NULL;
+    if (count <= SIZE_MAX / 16) {
+        uint64_t *pairs = malloc(count * 16 + 16);
+        if (pairs) {
+            for (size_t i = 0; i < count; i++) {
+                pairs[2 * i] = forgets[i].ino;
+                pairs[2 * i + 1] = forgets[i].nlookup;
+            }
+            k = kreq_new(OP_FORGET, NULL, NULL, NULL, pairs, count * 16);
+            free(pairs);
+        }
+    }
+    fuse_reply_none(req);
+    if (k) enqueue(k);
+}
+
+static void ll_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_GETATTR, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); }
+    submit(k, req);
+}
+
+static void ll_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_SETATTR, req, NULL, NULL, NULL, 0);
+    if (k) {
+        k->ino = ino;
+        FI(k, fi);
+        k->st = *attr;
+        k->mode = (uint32_t)to_set;   /* the to_set bits */
+    }
+    submit(k, req);
+}
+
+static void ll_readlink(fuse_req_t req, fuse_ino_t ino) {
+    struct kreq *k = kreq_new(OP_READLINK, req, NULL, NULL, NULL, 0);
+    if (k) k->ino = ino;
+    submit(k, req);
+}
+
+static void ll_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, dev_t rdev) {
+    struct kreq *k = kreq_new(OP_MKNOD, req, name, NULL, NULL, 0);
+    if (k) { k->ino = parent; k->mode = mode; k->rdev = rdev; }
+    submit(k, req);
+}
+
+static void ll_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode) {
+    struct kreq *k = kreq_new(OP_MKDIR, req, name, NULL, NULL, 0);
+    if (k) { k->ino = parent; k->mode = (mode & ~S_IFMT) | S_IFDIR; }
+    submit(k, req);
+}
+
+static void ll_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    struct kreq *k = kreq_new(OP_UNLINK, req, name, NULL, NULL, 0);
+    if (k) k->ino = parent;
+    submit(k, req);
+}
+
+static void ll_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    struct kreq *k = kreq_new(OP_RMDIR, req, name, NULL, NULL, 0);
+    if (k) k->ino = parent;
+    submit(k, req);
+}
+
+static void ll_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name) {
+    struct kreq *k = kreq_new(OP_SYMLINK, req, name, link, NULL, 0);
+    if (k) k->ino = parent;
+    submit(k, req);
+}
+
+static void ll_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
+                      const char *newname, unsigned int flags) {
+    struct kreq *k = kreq_new(OP_RENAME, req, name, newname, NULL, 0);
+    if (k) { k->ino = parent; k->ino2 = newparent; k->flags = flags; }
+    submit(k, req);
+}
+
+static void ll_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname) {
+    struct kreq *k = kreq_new(OP_LINK, req, newname, NULL, NULL, 0);
+    if (k) { k->ino = ino; k->ino2 = newparent; }
+    submit(k, req);
+}
+
+static void ll_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_OPEN, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); }
+    submit(k, req);
+}
+
+static void ll_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_READ, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); k->size = size; k->off = off; }
+    submit(k, req);
+}
+
+static void ll_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
+                     struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_WRITE, req, NULL, NULL, buf, size);
+    if (k) { k->ino = ino; FI(k, fi); k->size = size; k->off = off; }
+    submit(k, req);
+}
+
+static void ll_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_FLUSH, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); }
+    submit(k, req);
+}
+
+static void ll_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_RELEASE, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); }
+    submit(k, req);
+}
+
+static void ll_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_FSYNC, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); k->flags = (uint32_t)datasync; }
+    submit(k, req);
+}
+
+static void ll_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_OPENDIR, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); }
+    submit(k, req);
+}
+
+static void ll_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_READDIRPLUS, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); k->size = size; k->off = off; }
+    submit(k, req);
+}
+
+static void ll_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_RELEASEDIR, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); }
+    submit(k, req);
+}
+
+static void ll_fsyncdir(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_FSYNCDIR, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; FI(k, fi); k->flags = (uint32_t)datasync; }
+    submit(k, req);
+}
+
+static void ll_statfs(fuse_req_t req, fuse_ino_t ino) {
+    struct kreq *k = kreq_new(OP_STATFS, req, NULL, NULL, NULL, 0);
+    if (k) k->ino = ino;
+    submit(k, req);
+}
+
+static void ll_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value, size_t size,
+                        int flags) {
+    struct kreq *k = kreq_new(OP_SETXATTR, req, name, NULL, value, size);
+    if (k) { k->ino = ino; k->flags = (uint32_t)flags; k->size = size; }
+    submit(k, req);
+}
+
+static void ll_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
+    struct kreq *k = kreq_new(OP_GETXATTR, req, name, NULL, NULL, 0);
+    if (k) { k->ino = ino; k->size = size; }
+    submit(k, req);
+}
+
+static void ll_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+    struct kreq *k = kreq_new(OP_LISTXATTR, req, NULL, NULL, NULL, 0);
+    if (k) { k->ino = ino; k->size = size; }
+    submit(k, req);
+}
+
+static void ll_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) {
+    struct kreq *k = kreq_new(OP_REMOVEXATTR, req, name, NULL, NULL, 0);
+    if (k) k->ino = ino;
+    submit(k, req);
+}
+
+static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
+                      struct fuse_file_info *fi) {
+    struct kreq *k = kreq_new(OP_CREATE, req, name, NULL, NULL, 0);
+    if (k) { k->ino = parent; k->mode = mode; FI(k, fi); }
+    submit(k, req);
+}
+
+static const struct fuse_lowlevel_ops ll_ops = {
+    .init = ll_init, .lookup = ll_lookup, .forget = ll_forget, .forget_multi = ll_forget_multi,
+    .getattr = ll_getattr, .setattr = ll_setattr, .readlink = ll_readlink, .mknod = ll_mknod,
+    .mkdir = ll_mkdir, .unlink = ll_unlink, .rmdir = ll_rmdir, .symlink = ll_symlink, .rename = ll_rename,
+    .link = ll_link, .open = ll_open, .read = ll_read, .write = ll_write, .flush = ll_flush,
+    .release = ll_release, .fsync = ll_fsync, .opendir = ll_opendir, .readdirplus = ll_readdirplus,
+    .releasedir = ll_releasedir, .fsyncdir = ll_fsyncdir, .statfs = ll_statfs, .setxattr = ll_setxattr,
+    .getxattr = ll_getxattr, .listxattr = ll_listxattr, .removexattr = ll_removexattr, .create = ll_create,
+};
+
+static void *loop_thread(void *arg) {
+    (void)arg;
+    struct fuse_loop_config *cfg = fuse_loop_cfg_create();
+    int res = -ENOMEM;
+    if (cfg) {
+        fuse_loop_cfg_set_clone_fd(cfg, (unsigned)S.clone_fd);
+        fuse_loop_cfg_set_max_threads(cfg, S.max_threads);
+        fuse_loop_cfg_set_idle_threads(cfg, S.max_threads < 4 ? S.max_threads : 4);
+        res = fuse_session_loop_mt(S.se, cfg);
+        fuse_loop_cfg_destroy(cfg);
+    }
+    S.loop_result = res;
+    struct kreq *k = kreq_new(OP_ENDED, NULL, NULL, NULL, NULL, 0);
+    if (k) {
+        k->off = res;
+        enqueue(k);
+    } else {   /* the eventfd still says so: fetch() then finds no ENDED, and the caller checks running() */
+        uint64_t one = 1;
+        ssize_t r = write(S.efd, &one, sizeof(one));
+        (void)r;
+    }
+    return NULL;
+}
+
+/* ---- Request objects (the trio side, GIL held) ------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    struct kreq *k;
+    int replied;
+    int exports;                      /* buffer views of the written bytes */
+    /* copies of the scalar fields, for the member table */
+    int op;
+    unsigned long long ino, ino2, fh, size, rdev;
+    long long off;
+    unsigned int flags, mode, uid, gid, pid, umask;
+    int has_fh;
+} RequestObject;
+
+static PyTypeObject RequestType;
+
+static int begin_reply(RequestObject *r) {
+    if (r->replied || r->k == NULL || r->k->req == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "request already answered");
+        return -1;
+    }
+    r->replied = 1;
+    return 0;
+}
+
+/* run a libfuse reply with the GIL released and the session kept alive; -ENOTCONN once closed */
+#define REPLY(r, call) ({ int _ret; fuse_req_t req = (r)->k->req; (void)req; \
+    Py_BEGIN_ALLOW_THREADS pthread_rwlock_rdlock(&S.life); \
+    _ret = S.closed ? -ENOTCONN : (call); \
+    pthread_rwlock_unlock(&S.life); Py_END_ALLOW_THREADS _ret; })
+
+static PyObject *result(int ret) {
+    return PyLong_FromLong(ret);   /* 0, or -errno as libfuse says (the daemon logs it at DEBUG) */
+}
+
+static void Request_dealloc(RequestObject *r) {
+    if (r->k) {
+        if (!r->replied && r->k->req) {
+            /* dropped without an answer: EIO, so the caller does not wait forever */
+            r->replied = 1;
+            fuse_req_t req = r->k->req;
+            pthread_rwlock_rdlock(&S.life);
+            if (!S.closed)
+                fuse_reply_err(req, EIO);
+            pthread_rwlock_unlock(&S.life);
+        }
+        free(r->k);
+    }
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *Request_reply_err(RequestObject *r, PyObject *arg) {
+    long e = PyLong_AsLong(arg);
+    if (e == -1 && PyErr_Occurred())
+        return NULL;
+    if (e < 0 || e > 4095)
+        e = EIO;
+    if (begin_reply(r) < 0)
+        return NULL;
+    return result(REPLY(r, fuse_reply_err(req, (int)e)));
+}
+
+static PyObject *Request_reply_none(RequestObject *r, PyObject *unused) {
+    if (begin_reply(r) < 0)
+        return NULL;
+    REPLY(r, (fuse_reply_none(req), 0));
+    Py_RETURN_NONE;
+}
+
+/* attributes as the bridge passes them: (ino, generation, entry_timeout, attr_timeout, mode, nlink, uid, gid,
+ * rdev, size, blksize, blocks, atime_ns, mtime_ns, ctime_ns) */
+static int parse_entry(PyObject *t, struct fuse_entry_param *e) {
+    unsigned long long ino, gen, mode, nlink, uid, gid, rdev, blksize;
+    long long size, blocks, at, mt, ct;
+    double et, att;
+    memset(e, 0, sizeof(*e));
+    if (!PyArg_ParseTuple(t, "KKddKKKKKLKLLLL;attributes", &ino, &gen, &et, &att, &mode, &nlink, &uid, &gid,
+                          &rdev, &size, &blksize, &blocks, &at, &mt, &ct))
+        return -1;
+    e->ino = ino;
+    e->generation = gen;
+    e->entry_timeout = et;
+    e->attr_timeout = att;
+    struct stat *s = &e->attr;
+    s->st_ino = ino;
+    s->st_mode = (mode_t)mode;
+    s->st_nlink = (nlink_t)nlink;
+    s->st_uid = (uid_t)uid;
+    s->st_gid = (gid_t)gid;
+    s->st_rdev = (dev_t)rdev;
+    s->st_size = size;
+    s->st_blksize = (blksize_t)blksize;
+    s->st_blocks = blocks;
+#define NS(field, v) do { long long _v = (v); s->field.tv_sec = _v / 1000000000LL; \
+        s->field.tv_nsec = _v % 1000000000LL; \
+        if (s->field.tv_nsec < 0) { s->field.tv_nsec += 1000000000LL; s->field.tv_sec -= 1; } } while (0)
+    NS(st_atim, at);
+    NS(st_mtim, mt);
+    NS(st_ctim, ct);
+#undef NS
+    return 0;
+}
+
+static PyObject *Request_reply_entry(RequestObject *r, PyObject *arg) {
+    struct fuse_entry_param e;
+    if (parse_entry(arg, &e) < 0 || begin_reply(r) < 0)
+        return NULL;
+    return result(REPLY(r, fuse_reply_entry(req, &e)));
+}
+
+static PyObject *Request_reply_attr(RequestObject *r, PyObject *arg) {
+    struct fuse_entry_param e;
+    if (parse_entry(arg, &e) < 0 || begin_reply(r) < 0)
+        return NULL;
+    return result(REPLY(r, fuse_reply_attr(req, &e.attr, e.attr_timeout)));
+}
+
+static int fill_fi(struct fuse_file_info *fi, RequestObject *r, unsigned long long fh, int direct_io,
+                   int keep_cache, int nonseekable) {
+    memset(fi, 0, sizeof(*fi));
+    fi->flags = (int)r->flags;
+    fi->fh = fh;
+    fi->direct_io = direct_io ? 1 : 0;
+    fi->keep_cache = keep_cache ? 1 : 0;
+    fi->nonseekable = nonseekable ? 1 : 0;
+    return 0;
+}
+
+static PyObject *Request_reply_open(RequestObject *r, PyObject *args) {
+    unsigned long long fh;
+    int dio, keep, nonseek;
+    struct fuse_file_info fi;
+    if (!PyArg_ParseTuple(args, "Kppp", &fh, &dio, &keep, &nonseek) || begin_reply(r) < 0)
+        return NULL;
+    fill_fi(&fi, r, fh, dio, keep, nonseek);
+    return result(REPLY(r, fuse_reply_open(req, &fi)));
+}
+
+static PyObject *Request_reply_create(RequestObject *r, PyObject *args) {
+    PyObject *attrs;
+    unsigned long long fh;
+    int dio, keep, nonseek;
+    struct fuse_file_info fi;
+    struct fuse_entry_param e;
+    if (!PyArg_ParseTuple(args, "O!Kppp", &PyTuple_Type, &attrs, &fh, &dio, &keep, &nonseek))
+        return NULL;
+    if (parse_entry(attrs, &e) < 0 || begin_reply(r) < 0)
+        return NULL;
+    fill_fi(&fi, r, fh, dio, keep, nonseek);
+    return result(REPLY(r, fuse_reply_create(req, &e, &fi)));
+}
+
+static PyObject *Request_reply_buf(RequestObject *r, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_CONTIG_RO) < 0)
+        return NULL;
+    if (begin_reply(r) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int ret = REPLY(r, fuse_reply_buf(req, view.buf, (size_t)view.len));
+    PyBuffer_Release(&view);
+    return result(ret);
+}
+
+static PyObject *Request_reply_write(RequestObject *r, PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (n == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (begin_reply(r) < 0)
+        return NULL;
+    return result(REPLY(r, fuse_reply_write(req, (size_t)n)));
+}
+
+static PyObject *Request_reply_xattr(RequestObject *r, PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (n == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (begin_reply(r) < 0)
+        return NULL;
+    return result(REPLY(r, fuse_reply_xattr(req, (size_t)n)));
+}
+
+static PyObject *Request_reply_readlink(RequestObject *r, PyObject *arg) {
+    const char *target;
+    if (!PyArg_Parse(arg, "y", &target) || begin_reply(r) < 0)   /* "y": no NUL inside */
+        return NULL;
+    return result(REPLY(r, fuse_reply_readlink(req, target)));
+}
+
+/* (bsize, frsize, blocks, bfree, bavail, files, ffree, favail, namemax) */
+static PyObject *Request_reply_statfs(RequestObject *r, PyObject *arg) {
+    unsigned long long bs, frs, b, bf, ba, f, ff, fa, nm;
+    if (!PyArg_ParseTuple(arg, "KKKKKKKKK", &bs, &frs, &b, &bf, &ba, &f, &ff, &fa, &nm) || begin_reply(r) < 0)
+        return NULL;
+    struct statvfs st;
+    memset(&st, 0, sizeof(st));
+    st.f_bsize = bs;
+    st.f_frsize = frs;
+    st.f_blocks = b;
+    st.f_bfree = bf;
+    st.f_bavail = ba;
+    st.f_files = f;
+    st.f_ffree = ff;
+    st.f_favail = fa;
+    st.f_namemax = nm;
+    return result(REPLY(r, fuse_reply_statfs(req, &st)));
+}
+
+static PyObject *Request_get_name(RequestObject *r, void *which) {
+    const char *s = which ? r->k->name2 : r->k->name;
+    if (s == NULL)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(s, (Py_ssize_t)(which ? r->k->name2len : r->k->namelen));
+}
+
+static PyObject *Request_get_data(RequestObject *r, void *unused) {
+    return PyMemoryView_FromObject((PyObject *)r);
+}
+
+static PyObject *Request_get_forgets(RequestObject *r, void *unused) {
+    size_t n = r->k->datalen / 16;
+    const uint64_t *p = (const uint64_t *)r->k->data;
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t ino, cnt;
+        memcpy(&ino, p + 2 * i, 8);
+        memcpy(&cnt, p + 2 * i + 1, 8);
+        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)ino, (unsigned long long)cnt);
+        if (t == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    return list;
+}
+
+/* setattr: (to_set, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns) */
+static PyObject *Request_get_setattr(RequestObject *r, void *unused) {
+    const struct stat *s = &r->k->st;
+    return Py_BuildValue("(IIIILLLL)", r->mode, (unsigned)s->st_mode, (unsigned)s->st_uid, (unsigned)s->st_gid,
+                         (long long)s->st_size,
+                         (long long)s->st_atim.tv_sec * 1000000000LL + s->st_atim.tv_nsec,
+                         (long long)s->st_mtim.tv_sec * 1000000000LL + s->st_mtim.tv_nsec,
+                         (long long)s->st_ctim.tv_sec * 1000000000LL + s->st_ctim.tv_nsec);
+}
+
+static int Request_getbuffer(RequestObject *r, Py_buffer *view, int flags) {
+    const char *data = r->k && r->k->data ? r->k->data : "";
+    size_t len = r->k && r->k->data ? r->k->datalen : 0;
+    if (PyBuffer_FillInfo(view, (PyObject *)r, (void *)data, (Py_ssize_t)len, 1, flags) < 0)
+        return -1;
+    r->exports++;
+    return 0;
+}
+
+static void Request_releasebuffer(RequestObject *r, Py_buffer *view) { r->exports--; }
+
+static PyBufferProcs Request_as_buffer = {(getbufferproc)Request_getbuffer, (releasebufferproc)Request_releasebuffer};
+
+static PyMethodDef Request_methods[] = {
+    {"reply_err", (PyCFunction)Request_reply_err, METH_O, NULL},
+    {"reply_none", (PyCFunction)Request_reply_none, METH_NOARGS, NULL},
+    {"reply_entry", (PyCFunction)Request_reply_entry, METH_O, NULL},
+    {"reply_attr", (PyCFunction)Request_reply_attr, METH_O, NULL},
+    {"reply_open", (PyCFunction)Request_reply_open, METH_VARARGS, NULL},
+    {"reply_create", (PyCFunction)Request_reply_create, METH_VARARGS, NULL},
+    {"reply_buf", (PyCFunction)Request_reply_buf, METH_O, NULL},
+    {"reply_write", (PyCFunction)Request_reply_write, METH_O, NULL},
+    {"reply_xattr", (PyCFunction)Request_reply_xattr, METH_O, NULL},
+    {"reply_readlink", (PyCFunction)Request_reply_readlink, METH_O, NULL},
+    {"reply_statfs", (PyCFunction)Request_reply_statfs, METH_O, NULL},
+    {NULL}
+};
+
+static PyGetSetDef Request_getset[] = {
+    {"name", (getter)Request_get_name, NULL, NULL, NULL},
+    {"name2", (getter)Request_get_name, NULL, NULL, (void *)1},
+    {"data", (getter)Request_get_data, NULL, NULL, NULL},
+    {"forgets", (getter)Request_get_forgets, NULL, NULL, NULL},
+    {"setattr", (getter)Request_get_setattr, NULL, NULL, NULL},
+    {NULL}
+};
+
+#define M(name, type, field) {name, type, offsetof(RequestObject, field), READONLY, NULL}
+static PyMemberDef Request_members[] = {
+    M("op", T_INT, op), M("ino", T_ULONGLONG, ino), M("ino2", T_ULONGLONG, ino2), M("fh", T_ULONGLONG, fh),
+    M("size", T_ULONGLONG, size), M("rdev", T_ULONGLONG, rdev), M("off", T_LONGLONG, off),
+    M("flags", T_UINT, flags), M("mode", T_UINT, mode), M("uid", T_UINT, uid), M("gid", T_UINT, gid),
+    M("pid", T_UINT, pid), M("umask", T_UINT, umask), M("has_fh", T_INT, has_fh), M("replied", T_INT, replied),
+    {NULL}
+};
+#undef M
+
+static PyTypeObject RequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfs.frontend._loop.Request",
+    .tp_basicsize = sizeof(RequestObject),
+    .tp_dealloc = (destructor)Request_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One FUSE request, answered once through a reply_* method (EIO when dropped unanswered).",
+    .tp_methods = Request_methods,
+    .tp_members = Request_members,
+    .tp_getset = Request_getset,
+    .tp_as_buffer = &Request_as_buffer,
+};
+
+static PyObject *wrap(struct kreq *k) {
+    RequestObject *r = PyObject_New(RequestObject, &RequestType);
+    if (r == NULL)
+        return NULL;
+    r->k = k;
+    r->replied = k->req == NULL;   /* init, forget, ended: nothing to answer */
+    r->exports = 0;
+    r->op = k->op;
+    r->ino = k->ino;
+    r->ino2 = k->ino2;
+    r->fh = k->fh;
+    r->size = k->size;
+    r->rdev = k->rdev;
+    r->off = k->off;
+    r->flags = k->flags;
+    r->mode = k->mode;
+    r->uid = k->uid;
+    r->gid = k->gid;
+    r->pid = k->pid;
+    r->umask = k->umask;
+    r->has_fh = k->has_fh;
+    return (PyObject *)r;
+}
+
+/* ---- module functions ----------------------------------------------------------------------------- */
+
+static PyObject *m_mount(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"mountpoint", "options", "export_support", "writeback_cache", "acl", NULL};
+    const char *mountpoint, *options;
+    int exp = 0, wb = 0, acl = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ppp", names, &mountpoint, &options, &exp, &wb, &acl))
+        return NULL;
+    if (S.se != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a session exists already (one per process)");
+        return NULL;
+    }
+    S.want_export = exp;
+    S.want_writeback = wb;
+    S.want_acl = acl;
+    if (S.efd < 0) {
+        S.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (S.efd < 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    char *argv[] = {"kvfs", "-o", (char *)options, NULL};
+    struct fuse_args fargs = FUSE_ARGS_INIT(options[0] ? 3 : 1, argv);
+    struct fuse_session *se = fuse_session_new(&fargs, &ll_ops, sizeof(ll_ops), NULL);
+    fuse_opt_free_args(&fargs);
+    if (se == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "fuse_session_new() failed");
+        return NULL;
+    }
+    int res;
+    Py_BEGIN_ALLOW_THREADS
+    res = fuse_session_mount(se, mountpoint);
+    Py_END_ALLOW_THREADS
+    if (res != 0) {
+        fuse_session_destroy(se);
+        PyErr_SetString(PyExc_RuntimeError, "fuse_session_mount() failed");
+        return NULL;
+    }
+    pthread_rwlock_wrlock(&S.life);
+    S.se = se;
+    S.closed = 0;
+    pthread_rwlock_unlock(&S.life);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_start(PyObject *self, PyObject *args) {
+    unsigned int max_threads;
+    int clone_fd;
+    if (!PyArg_ParseTuple(args, "Ip", &max_threads, &clone_fd))
+        return NULL;
+    if (S.se == NULL || S.running) {
+        PyErr_SetString(PyExc_RuntimeError, S.se ? "the loop runs already" : "not mounted");
+        return NULL;
+    }
+    S.max_threads = max_threads ? max_threads : 1;
+    S.clone_fd = clone_fd;
+    /* the loop's threads take no process signals (Python's main thread does), except the one that wakes
+     * the loop at exit(); the workers inherit this mask */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = wake_handler;   /* no SA_RESTART: sem_wait returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(wake_signal(), &sa, NULL) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    sigset_t all, old;
+    sigfillset(&all);
+    sigdelset(&all, wake_signal());
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
+    sigdelset(&all, SIGABRT);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int err = pthread_create(&S.thread, NULL, loop_thread, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    S.running = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_fileno(PyObject *self, PyObject *unused) { return PyLong_FromLong(S.efd); }
+
+static PyObject *m_fetch(PyObject *self, PyObject *unused) {
+    uint64_t v;
+    /* read before taking the queue: a request appended after the take finds it empty and writes again */
+    ssize_t rr = read(S.efd, &v, sizeof(v));
+    (void)rr;
+    pthread_mutex_lock(&S.qlock);
+    struct kreq *k = S.head;
+    S.head = S.tail = NULL;
+    pthread_mutex_unlock(&S.qlock);
+    PyObject *list = PyList_New(0);
+    while (k) {
+        struct kreq *next = k->next;
+        k->next = NULL;
+        PyObject *r = list ? wrap(k) : NULL;
+        if (r == NULL) {   /* out of memory: answer what is left, keep going */
+            if (k->req)
+                fuse_reply_err(k->req, ENOMEM);
+            free(k);
+        } else {
+            if (PyList_Append(list, r) < 0)
+                Py_CLEAR(list);
+            Py_DECREF(r);   /* the list holds it; dropped: answered EIO */
+        }
+        k = next;
+    }
+    if (list == NULL)
+        PyErr_Clear(), list = PyList_New(0);
+    return list;
+}
+
+/* Make the loop return: the session is marked as exited and the loop's main thread, waiting for a worker to
+ * finish, is woken; libfuse then cancels the workers (blocked in read) and joins them. */
+static PyObject *m_exit(PyObject *self, PyObject *unused) {
+    if (S.se == NULL)
+        Py_RETURN_NONE;
+    fuse_session_exit(S.se);
+    if (S.running) {
+        exiting = 1;
+        pthread_kill(S.thread, wake_signal());
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_join(PyObject *self, PyObject *unused) {
+    if (!S.running)
+        return PyLong_FromLong(S.loop_result);
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {   /* a wake signal sent just before the loop's sem_wait would be lost: send it again */
+        struct timespec deadline;
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        deadline.tv_nsec += 100 * 1000000L;
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec += 1;
+            deadline.tv_nsec -= 1000000000L;
+        }
+        err = pthread_timedjoin_np(S.thread, NULL, &deadline);
+        if (err != ETIMEDOUT)
+            break;
+        if (exiting)
+            pthread_kill(S.thread, wake_signal());
+    }
+    Py_END_ALLOW_THREADS
+    S.running = 0;
+    exiting = 0;
+    return PyLong_FromLong(S.loop_result);
+}
+
+static PyObject *m_close(PyObject *self, PyObject *args) {
+    int unmount = 1;
+    if (!PyArg_ParseTuple(args, "|p", &unmount))
+        return NULL;
+    if (S.se == NULL)
+        Py_RETURN_NONE;
+    if (S.running) {   /* close() without a finished loop: stop it first */
+        fuse_session_exit(S.se);
+        if (unmount) {
+            Py_BEGIN_ALLOW_THREADS
+            fuse_session_unmount(S.se);   /* the workers' reads fail: the loop ends */
+            Py_END_ALLOW_THREADS
+            unmount = 0;
+        }
+        exiting = 1;
+        pthread_kill(S.thread, wake_signal());
+        PyObject *r = m_join(self, NULL);
+        Py_XDECREF(r);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (unmount)
+        fuse_session_unmount(S.se);
+    pthread_rwlock_wrlock(&S.life);
+    S.closed = 1;
+    struct fuse_session *se = S.se;
+    S.se = NULL;
+    pthread_rwlock_unlock(&S.life);
+    fuse_session_destroy(se);
+    Py_END_ALLOW_THREADS
+    /* requests still queued (never fetched) are freed unanswered: the connection is gone */
+    pthread_mutex_lock(&S.qlock);
+    struct kreq *k = S.head;
+    S.head = S.tail = NULL;
+    pthread_mutex_unlock(&S.qlock);
+    while (k) {
+        struct kreq *next = k->next;
+        free(k);
+        k = next;
+    }
+    Py_RETURN_NONE;
+}
+
+/* notifications: like pyfuse3's, OSError(errno) on failure; blocking calls, with the GIL released */
+#define NOTIFY(call) ({ int _ret; Py_BEGIN_ALLOW_THREADS pthread_rwlock_rdlock(&S.life); \
+    _ret = (S.closed || S.se == NULL) ? -ENOTCONN : (call); pthread_rwlock_unlock(&S.life); \
+    Py_END_ALLOW_THREADS _ret; })
+
+static PyObject *notify_result(int ret, const char *what) {
+    if (ret != 0) {
+        PyObject *e = PyObject_CallFunction(PyExc_OSError, "is", -ret, what);
+        if (e) {
+            PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+            Py_DECREF(e);
+        }
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_invalidate_entry(PyObject *self, PyObject *args) {
+    unsigned long long parent, deleted = 0;
+    const char *name;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "Ky#|K", &parent, &name, &len, &deleted))
+        return NULL;
+    int ret = deleted ? NOTIFY(fuse_lowlevel_notify_delete(S.se, parent, deleted, name, (size_t)len))
+                      : NOTIFY(fuse_lowlevel_notify_inval_entry(S.se, parent, name, (size_t)len));
+    return notify_result(ret, "fuse_lowlevel_notify_inval_entry");
+}
+
+static PyObject *m_invalidate_inode(PyObject *self, PyObject *args) {
+    unsigned long long ino;
+    int attr_only = 0;
+    if (!PyArg_ParseTuple(args, "K|p", &ino, &attr_only))
+        return NULL;
+    int ret = NOTIFY(fuse_lowlevel_notify_inval_inode(S.se, ino, attr_only ? -1 : 0, 0));
+    return notify_result(ret, "fuse_lowlevel_notify_inval_inode");
+}
+
+static PyObject *m_notify_store(PyObject *self, PyObject *args) {
+    unsigned long long ino;
+    long long off;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "KLy*", &ino, &off, &view))
+        return NULL;
+    struct fuse_bufvec bv = FUSE_BUFVEC_INIT((size_t)view.len);
+    bv.buf[0].mem = view.buf;
+    int ret = NOTIFY(fuse_lowlevel_notify_store(S.se, ino, off, &bv, 0));
+    PyBuffer_Release(&view);
+    return notify_result(ret, "fuse_lowlevel_notify_store");
+}
+
+/* add_direntry_plus(bytearray, pos, name, attributes, next_id) -> the new pos, or -1 when it does not fit */
+static PyObject *m_add_direntry_plus(PyObject *self, PyObject *args) {
+    PyObject *buf, *attrs;
+    Py_ssize_t pos, namelen;
+    const char *name;
+    long long next_id;
+    struct fuse_entry_param e;
+    if (!PyArg_ParseTuple(args, "O!ny#O!L", &PyByteArray_Type, &buf, &pos, &name, &namelen, &PyTuple_Type, &attrs,
+                          &next_id))
+        return NULL;
+    if (parse_entry(attrs, &e) < 0)
+        return NULL;
+    Py_ssize_t cap = PyByteArray_GET_SIZE(buf);
+    if (pos < 0 || pos > cap) {
+        PyErr_SetString(PyExc_ValueError, "position outside the buffer");
+        return NULL;
+    }
+    if ((size_t)namelen != strlen(name)) {
+        PyErr_SetString(PyExc_ValueError, "a name with a NUL byte");
+        return NULL;
+    }
+    char *base = PyByteArray_AS_STRING(buf);
+    size_t need = fuse_add_direntry_plus(NULL, base + pos, (size_t)(cap - pos), name, &e, next_id);
+    if (need > (size_t)(cap - pos))
+        return PyLong_FromLong(-1);
+    return PyLong_FromSsize_t(pos + (Py_ssize_t)need);
+}
+
+static PyObject *m_running(PyObject *self, PyObject *unused) { return PyBool_FromLong(S.running); }
+
+static PyMethodDef module_methods[] = {
+    {"mount", (PyCFunction)(void (*)(void))m_mount, METH_VARARGS | METH_KEYWORDS,
+     "mount(mountpoint, options, export_support=False, writeback_cache=False, acl=False)"},
+    {"start", m_start, METH_VARARGS, "start(max_threads, clone_fd): run fuse_session_loop_mt in a C thread"},
+    {"fileno", m_fileno, METH_NOARGS, "the eventfd that is readable when requests wait in the queue"},
+    {"fetch", m_fetch, METH_NOARGS, "take every queued request: a list of Request"},
+    {"exit", m_exit, METH_NOARGS, "make the loop return (the mount stays until close)"},
+    {"join", m_join, METH_NOARGS, "wait for the loop thread; its result"},
+    {"running", m_running, METH_NOARGS, NULL},
+    {"close", m_close, METH_VARARGS, "close(unmount=True): unmount and destroy the session"},
+    {"invalidate_entry", m_invalidate_entry, METH_VARARGS, NULL},
+    {"invalidate_inode", m_invalidate_inode, METH_VARARGS, NULL},
+    {"notify_store", m_notify_store, METH_VARARGS, NULL},
+    {"add_direntry_plus", m_add_direntry_plus, METH_VARARGS, NULL},
+    {NULL}
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_loop", "kvfs native FUSE session loop", -1,
+                                    module_methods};
+
+PyMODINIT_FUNC PyInit__loop(void) {
+    if (PyType_Ready(&RequestType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RequestType);
+    PyModule_AddObject(m, "Request", (PyObject *)&RequestType);
+#define OPC(n) PyModule_AddIntConstant(m, #n, n)
+    OPC(OP_INIT); OPC(OP_LOOKUP); OPC(OP_FORGET); OPC(OP_GETATTR); OPC(OP_SETATTR); OPC(OP_READLINK);
+    OPC(OP_MKNOD); OPC(OP_MKDIR); OPC(OP_UNLINK); OPC(OP_RMDIR); OPC(OP_SYMLINK); OPC(OP_RENAME); OPC(OP_LINK);
+    OPC(OP_OPEN); OPC(OP_READ); OPC(OP_WRITE); OPC(OP_FLUSH); OPC(OP_RELEASE); OPC(OP_FSYNC); OPC(OP_OPENDIR);
+    OPC(OP_READDIRPLUS); OPC(OP_RELEASEDIR); OPC(OP_FSYNCDIR); OPC(OP_STATFS); OPC(OP_SETXATTR);
+    OPC(OP_GETXATTR); OPC(OP_LISTXATTR); OPC(OP_REMOVEXATTR); OPC(OP_CREATE); OPC(OP_ENDED);
+    OPC(FUSE_SET_ATTR_MODE); OPC(FUSE_SET_ATTR_UID); OPC(FUSE_SET_ATTR_GID); OPC(FUSE_SET_ATTR_SIZE);
+    OPC(FUSE_SET_ATTR_ATIME); OPC(FUSE_SET_ATTR_MTIME); OPC(FUSE_SET_ATTR_ATIME_NOW);
+    OPC(FUSE_SET_ATTR_MTIME_NOW); OPC(FUSE_SET_ATTR_CTIME);
+#undef OPC
+    return m;
+}
