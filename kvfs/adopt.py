@@ -4,11 +4,14 @@ A writer (kvfs/direct_write.py) encodes a file's object in its own process and s
 tier's staging directory; `setxattr(dir, user.kvfs.adopt)` asks the daemon to make it a file of that
 directory. The daemon's part is metadata and a check, never an encode:
 
-1. verify the staged object, in a worker thread: a plain file of the requester (or root's), header and frame
-   table checksums, a layout exactly as the format lays objects out, known codecs, the mount's frame size,
-   and every payload's xxh3 ("decode" also decodes every frame and checks its raw xxh3; otherwise reads
-   do that, as for every object). Anything else is refused with EBADMSG (EINVAL, EACCES: the log says why)
-   and the staged file removed: a refused object is never served.
+1. verify the staged object (in a worker thread, or inline for a memory tier where only the head is read): a
+   plain file of the requester (or root's), its header and frame table (checksums, sizes, every entry's
+   bounds against the object's length, a layout exactly as the format lays objects out, known codecs and
+   transforms, no sealing, the mount's frame size). The payloads are not read: every read checks a frame's
+   payload xxh3 before decoding it and its raw xxh3 after, as for any object, so a payload that lies is
+   answered with EIO and its file dropped, as for on-disk corruption (adopt_verify "checksums" also hashes
+   every payload here, "decode" also decodes every frame). Anything else is refused with EBADMSG (EINVAL,
+   EACCES: the log says why) and the staged file removed: a refused object is never served.
 2. reserve an inode (no name: nlink 0), place the object (Mover.place: capacity, demotion, waiting or
    ENOSPC, as for any commit), rename it into the tier (or copy it into a slower one);
 3. one index transaction names the inode, points it at the object and drops the file the name had.
@@ -42,7 +45,6 @@ from . import codecs, events
 from . import format as fmt
 from . import lossy as lossy_modes
 from .codecs import transforms
-from .direct import read_head
 from .index import object_id
 from .openfile import summary_codec
 from .staging import AdoptRequest, Offer, crash_point, decode_batch
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READ_PIECE = 4 << 20  # copies of a staged object into a slower tier
+HEAD_PROBE = 4096  # bytes read for a staged object's header and frame table (more when its table is longer)
 SWEEP_INTERVAL_S = 60.0
 RESERVE_BATCH = 32
 XA_DTYPE, XA_SHAPE, XA_LOSSY = b"user.kvfs.dtype", b"user.kvfs.shape", b"user.kvfs.lossy"
@@ -123,25 +126,46 @@ class Adoption:
     replaced: int | None = None  # the inode the name pointed at
 
 
-def verify_and_move(files: list[Adoption], frame_size: int, decode: bool) -> None:
+def verify_and_move(files: list[Adoption], frame_size: int, verify: str) -> None:
     """Verify every staged object (AdoptRefused EBADMSG at the first that fails), then move each into its
-    tier: one worker-thread hop for the lot."""
+    tier: one worker-thread hop for the lot, or none (the caller's choice). `verify` is the mount's
+    adopt_verify (config.ADOPT_VERIFY)."""
     for f in files:
         try:
-            f.verified = _verify_object(f.fd, f.size, frame_size, decode)
+            f.verified = _verify_object(f.fd, f.size, frame_size, verify)
         except fmt.CorruptObject as e:
             raise AdoptRefused(errno.EBADMSG, f"staged object {f.req.staged} refused: {e}") from None
     for f in files:
         f.move()
 
 
-def _verify_object(fd: int, size: int, frame_size: int, decode: bool) -> Verified:
-    header, _, entries = read_head(fd, size)
+def _verify_object(fd: int, size: int, frame_size: int, verify: str) -> Verified:
+    """The staged object's header and frame table, verified (CorruptObject otherwise). Its payloads are read
+    only with adopt_verify "checksums" or "decode": every read checks them anyway (docs/direct.md)."""
+    header, entries = _read_head(fd, size)
     if header.frame_size != frame_size:
         raise fmt.CorruptObject(f"frame size {header.frame_size}, the mount's is {frame_size}")
+    if header.flags:
+        raise fmt.CorruptObject(f"header flags {header.flags:#x} (reserved: 0)")
+    if header.sealing is not None:
+        raise fmt.CorruptObject("a sealed header (only the daemon seals objects)")
     _check_layout(header, entries, size)
-    _check_payloads(fd, size, entries, decode)
+    if verify != "table":
+        _check_payloads(fd, size, entries, verify == "decode")
     return Verified(header, entries, size)
+
+
+def _read_head(fd: int, size: int) -> tuple[fmt.Header, list[fmt.FrameEntry]]:
+    """The header and frame table, parsed and verified: both checksums, the header's size relations, every
+    entry's raw_len and its payload's bounds within the object's `size` bytes, its flags. One read of HEAD_PROBE
+    bytes covers the head of an object of up to ~110 frames; a longer table takes a second read."""
+    head = os.pread(fd, HEAD_PROBE, 0)
+    header = fmt.parse_header(head)
+    if header.data_offset > len(head):
+        head = os.pread(fd, header.data_offset, 0)
+    if len(head) < header.data_offset:
+        raise fmt.CorruptObject("object shorter than its frame table")
+    return header, fmt.parse_table(header, memoryview(head)[header.size:], size)
 
 
 def _check_layout(header: fmt.Header, entries: list[fmt.FrameEntry], size: int) -> None:
@@ -215,12 +239,24 @@ def _first_bad_frame(mapped: mmap.mmap, entries: list[fmt.FrameEntry]) -> str | 
     return None
 
 
-def _put_from_staged(tier: Tier, staged: Path, oid: str, size: int) -> None:
-    """A staged object placed in another tier than the staging one: copy it there, then drop the staged file."""
+def _rename_staged(tier: DirectoryTier, staged: Path, oid: str, fd: int, size: int) -> None:
+    """A staged object placed in the staging tier: renamed into place (no bytes move). The rename goes by
+    name, so what was renamed must then be the file checked through `fd`, still `size` bytes long: otherwise
+    its writer swapped or resized it meanwhile, and it is refused (the caller's undo deletes it)."""
+    tier.adopt_staged(staged, oid)
+    checked, placed = os.fstat(fd), os.lstat(tier.local_path(oid))
+    if (placed.st_dev, placed.st_ino) != (checked.st_dev, checked.st_ino) or checked.st_size != size:
+        raise AdoptRefused(errno.EACCES, f"staged object {staged.name} was replaced or resized while it was adopted")
+
+
+def _put_from_staged(tier: Tier, staged: Path, oid: str, fd: int, size: int) -> None:
+    """A staged object placed in another tier than the staging one: copied there from `fd` (the file that was
+    checked, whatever its name points at now), then the staged file dropped."""
     def pieces():
-        with open(staged, "rb") as f:
-            while piece := f.read(READ_PIECE):
-                yield piece
+        offset = 0
+        while piece := os.pread(fd, READ_PIECE, offset):
+            yield piece
+            offset += len(piece)
     written = tier.put(oid, pieces(), tier.persistent)
     if written != size:
         raise OSError(errno.EIO, f"staged object changed while it was copied ({written} of {size} bytes)")
@@ -307,11 +343,16 @@ class Adopter:
                 if f.placed.sealed:  # L2 full, and the tier below seals: a writer's plain object cannot go there
                     raise AdoptRefused(errno.EOPNOTSUPP, f"{f.placed.name} holds sealed objects only")
                 oid = object_id(f.ino, 1)
-                f.move = (functools.partial(tier.adopt_staged, f.staged, oid) if f.placed is tier
-                          else functools.partial(_put_from_staged, f.placed, f.staged, oid, f.size))
+                f.move = (functools.partial(_rename_staged, tier, f.staged, oid, f.fd, f.size) if f.placed is tier
+                          else functools.partial(_put_from_staged, f.placed, f.staged, oid, f.fd, f.size))
+            verify = self.config.adopt_verify
             for placed, group in _by_tier(files):
-                await ops.store.io(placed.name, verify_and_move, group, self.config.frame_size,
-                                   self.config.adopt_verify == "decode", size=sum(f.size for f in group))
+                if placed is tier and verify == "table" and not tier.persistent:
+                    # a read of each head and a rename in memory: microseconds, less than a thread hop costs
+                    verify_and_move(group, self.config.frame_size, verify)
+                else:
+                    await ops.store.io(placed.name, verify_and_move, group, self.config.frame_size, verify,
+                                       size=sum(f.size for f in group))
             crash_point("adopt-placed")
             for f in files:  # again: a name may have changed while we waited
                 f.replaced = self._target(parent, f.req)

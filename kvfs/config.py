@@ -22,10 +22,11 @@ DEFAULT_L4_LEASE_S = 60.0  # a private L4's claim (kvfs/owner.py): renewed every
 TAKEOVERS = ("expired", "force")  # --l4-takeover, --force
 CODECS = ("auto", "entropy", "entropy8", "zstd", "deflate", "qat", "none")
 DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "none")
-# what adopting a direct write's staged object checks: the header, frame table and every payload's checksum
-# ("checksums": raw checksums are then checked on every read, as for any object), or also decodes every frame
-# and checks its raw checksum ("decode": costs a decode per byte written)
-ADOPT_VERIFY = ("checksums", "decode")
+# what adopting a direct write's staged object checks: its header and frame table ("table": no payload is read,
+# every read checks a frame's payload and raw checksums, as for any object; docs/direct.md), also every
+# payload's checksum ("checksums": a pass over the stored bytes), or also decodes every frame and checks its raw
+# checksum ("decode": a decode per byte written)
+ADOPT_VERIFY = ("table", "checksums", "decode")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -183,7 +184,7 @@ class Config:
     l4_lease_s: float = DEFAULT_L4_LEASE_S  # [l4] lease: how long a private L4's claim outlives its last renewal
     l4_takeover: str | None = None  # take over another mount's private L4: "expired" (its lease) or "force"
     direct_writes: bool = True  # offer writers a staging directory (kvfs/staging.py, docs/direct.md)
-    adopt_verify: str = "checksums"  # what adopting a staged object checks: ADOPT_VERIFY
+    adopt_verify: str = "table"  # what adopting a staged object checks: ADOPT_VERIFY
     encryption: EncryptionConfig = EncryptionConfig()
     quotas: tuple[tuple[str, str], ...] = ()  # [quotas]: directory (relative to the root) → spec (kvfs/quotas.py)
     events: EventsConfig = EventsConfig()
@@ -456,7 +457,7 @@ def build_config(
         raise ConfigError("frame_size must be a multiple of 4 KiB between 64K and 16M")
     max_dirty = parse_size(mount_t["max_dirty"]) if "max_dirty" in mount_t else default_max_dirty()
     max_backlog = _max_backlog(mount_t.get("max_backlog"), l2_tier.capacity)
-    adopt_verify = mount_t.get("adopt_verify", "checksums")
+    adopt_verify = mount_t.get("adopt_verify", "table")
     if adopt_verify not in ADOPT_VERIFY:
         raise ConfigError(f"adopt_verify must be one of {', '.join(ADOPT_VERIFY)}, got {adopt_verify!r}")
     encryption = _encryption_config(toml.get("encryption", {}), key_file, old_key_files, encrypt,

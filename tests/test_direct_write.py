@@ -148,7 +148,7 @@ def test_a_batch_with_a_bad_member_adopts_nothing(make_mount):
     kv = _kv()
     good, bad = _stage(m, m.mountpoint, kv), _stage(m, m.mountpoint, kv)
     raw = bytearray(bad.read_bytes())
-    raw[-100] ^= 1  # a payload byte
+    raw[fmt.parse_header(raw).size] ^= 1  # a byte of its frame table (payloads are checked by the reads)
     bad.write_bytes(bytes(raw))
     batch = [staging.AdoptRequest(good.name, b"good", 0o644), staging.AdoptRequest(bad.name, b"bad", 0o644)]
     with pytest.raises(OSError) as e:
@@ -188,6 +188,10 @@ def _hostile_objects(m: KvfsMount) -> dict[str, bytes]:
     lying = [dataclasses.replace(e0, raw_xxh3=e0.raw_xxh3 ^ 1), *entries[1:]]
     offer = staging_offer(str(m.mountpoint), fresh=True)
     other_frames = b"".join(encode_object([memoryview(kv)], dataclasses.replace(offer, frame_size=1 << 19), {}))
+    sealed = header.sealed_with(b"k" * 8, b"n" * 16)  # a sealing extension, payloads in the clear
+    shift = sealed.data_offset - header.data_offset
+    sealed_head = fmt.pack_head(sealed, [e if e.is_hole else dataclasses.replace(e, offset=e.offset + shift)
+                                         for e in entries])
     return {
         "garbage": os.urandom(5000),
         "empty file": b"",
@@ -201,23 +205,32 @@ def _hostile_objects(m: KvfsMount) -> dict[str, bytes]:
         # when the daemon decodes at adoption, otherwise caught by the first read of the frame
         "raw checksum lies": with_entries(lying),
         "frame size": other_frames,  # a valid object with frames of another size than the mount's
+        "header flags": fmt.pack_head(dataclasses.replace(header, flags=1), entries) + good[header.data_offset:],
+        "sealed header": sealed_head + good[header.data_offset:],  # only the daemon seals
+        "sealed frame": with_entries([dataclasses.replace(e0, flags=fmt.FRAME_SEALED), *entries[1:]]),
     }
 
 
-@pytest.mark.parametrize("verify", ["checksums", "decode"])
+# objects whose header and frame table are right but whose payloads lie: adopted where the daemon does not
+# read payloads at adoption, and then refused by the first read (EIO, the file dropped), never served
+ACCEPTED_BY_DESIGN = {"table": {"payload flipped", "raw checksum lies"}, "checksums": {"raw checksum lies"},
+                      "decode": set()}
+
+
+@pytest.mark.parametrize("verify", ["table", "checksums", "decode"])
 def test_hostile_staged_objects_are_refused_and_never_served(make_mount, tmp_path, verify):
     config = tmp_path / "kvfs.toml"
     config.write_text(f'[mount]\nadopt_verify = "{verify}"\n')
     m = make_mount().start("--config", str(config))
-    m.expect_log(r"corrupt object for inode \d+ \(b'raw checksum lies'\)")
+    for name in ACCEPTED_BY_DESIGN[verify]:
+        m.expect_log(rf"corrupt object for inode \d+ \(b'{name}'\)")
     refused = 0
     for name, body in _hostile_objects(m).items():
         staged = Path(staging_offer(str(m.mountpoint), fresh=True).staging) / staging.staged_name()
         staged.write_bytes(body)
-        accepted_by_design = name == "raw checksum lies" and verify == "checksums"
-        if accepted_by_design:
+        if name in ACCEPTED_BY_DESIGN[verify]:
             _adopt(m.mountpoint, staged, name)
-            with pytest.raises(OSError) as read:  # the first read decodes the frame: EIO, never its bytes
+            with pytest.raises(OSError) as read:  # the first read checks the frame: EIO, never its bytes
                 direct.read_file(m.path(name))
             assert read.value.errno == errno.EIO
             assert not m.path(name).exists()  # dropped
@@ -245,9 +258,83 @@ def test_hostile_staged_objects_are_refused_and_never_served(make_mount, tmp_pat
                                                       b"name 6162")
     assert e.value.errno == errno.EINVAL
     s = m.stats()
-    assert s["adopt_refusals"] == refused + 3 and s["checksum_failures"] == (1 if verify == "checksums" else 0)
+    assert s["adopt_refusals"] == refused + 3 and s["checksum_failures"] == len(ACCEPTED_BY_DESIGN[verify])
     assert m.alive()
     m.check_accounting()
+
+
+def test_a_payload_that_lies_is_reported_by_fsck_and_never_served(make_mount):
+    """The default adoption reads no payload (adopt_verify "table"): an object whose header and frame table are
+    right but one of whose payloads was changed after its checksums were taken is adopted like on-disk
+    corruption would be found. fsck reports it; every read of it answers EIO and the file is dropped, never
+    its bytes."""
+    m = make_mount().start()
+    m.expect_log(r"corrupt object for inode \d+ \(b'lying.kv'\)")
+    kv = _kv()
+    good = _valid_object(m, kv)
+    header = fmt.parse_header(good)
+    entries = fmt.parse_table(header, memoryview(good)[header.size:], len(good))
+    last = entries[-1]
+    assert len(entries) > 1 and not last.is_hole
+    lying = bytearray(good)
+    lying[last.offset + last.stored_len // 2] ^= 0x08  # the last frame: its table entry no longer matches
+    staged = Path(staging_offer(str(m.mountpoint), fresh=True).staging) / staging.staged_name()
+    staged.write_bytes(lying)
+    _adopt(m.mountpoint, staged, "lying.kv")  # adopted: the header and the table are right
+    p = m.path("lying.kv")
+    assert p.stat().st_size == len(kv) and not staged.exists()
+
+    res = subprocess.run([*KVFS, "fsck", "--json", str(m.mountpoint)], capture_output=True, text=True, timeout=120)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 4 and doc["counts"]["corrupt"] == 1, (doc, res.stderr)
+    (finding,) = doc["findings"]
+    assert finding["kind"] == "corrupt" and finding["path"] == "/lying.kv" and "checksum" in finding["detail"]
+
+    loc = direct.locate(p)
+    with pytest.raises(fmt.CorruptObject):  # a direct reader checks every frame it decodes
+        direct.read_object(loc)
+    assert direct.read_object(loc, 0, header.frame_size) == kv[:header.frame_size]  # frame 0 is right: served
+    with pytest.raises(OSError) as e:  # then the mount: the daemon checks too, answers EIO and drops the file
+        direct.read_file(p)
+    assert e.value.errno == errno.EIO
+    assert not p.exists()
+    assert m.stats()["checksum_failures"] == 1  # the read that dropped it (fsck without --repair keeps it)
+    assert m.alive()
+    m.check_accounting()
+
+
+def test_a_staged_file_swapped_or_resized_before_its_rename_is_refused(tmp_path):
+    """The daemon checks a staged object through a descriptor and renames it by name: what the rename moved
+    must be the file it checked, still of the size it checked, or the adoption is refused."""
+    from kvfs.adopt import AdoptRefused, _rename_staged
+    from kvfs.tiers.directory import DirectoryTier
+    tier = DirectoryTier("L2", tmp_path / "l2", 1 << 30, False)
+    staging_dir = tier.make_staging_dir()
+
+    def staged(name: str, body: bytes) -> tuple[Path, int]:
+        path = staging_dir / name
+        path.write_bytes(body)
+        return path, os.open(path, os.O_RDONLY)
+
+    path, fd = staged("a", b"checked")
+    (staging_dir / "b").write_bytes(b"swapped")
+    os.replace(staging_dir / "b", path)  # the writer put another file under the name after the check
+    with pytest.raises(AdoptRefused) as e:
+        _rename_staged(tier, path, "10-1", fd, 7)
+    assert e.value.errno == errno.EACCES
+    os.close(fd)
+
+    path, fd = staged("c", b"checked")
+    with open(path, "ab") as f:
+        f.write(b" and more")  # a descriptor its writer kept
+    with pytest.raises(AdoptRefused):
+        _rename_staged(tier, path, "11-1", fd, 7)
+    os.close(fd)
+
+    path, fd = staged("d", b"checked")
+    _rename_staged(tier, path, "12-1", fd, 7)
+    os.close(fd)
+    assert Path(tier.local_path("12-1")).read_bytes() == b"checked" and not path.exists()
 
 
 def test_an_unprivileged_writer_writes_through_the_mount():

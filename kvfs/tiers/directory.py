@@ -44,8 +44,11 @@ class DirectoryTier(Tier):
         """Rename a verified staged object into place (same filesystem: no bytes move)."""
         self.check_writable()
         path = self._path(object_id)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        os.rename(staged, path)
+        try:
+            os.rename(staged, path)
+        except FileNotFoundError:  # the shard's directory is made at its first object (or staged is gone: again)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            os.rename(staged, path)
         if self.persistent:
             _fsync_dir(path.parent)
 
