@@ -11,11 +11,17 @@ every arm a fresh engine process (vLLM's own prefix cache off where the family a
               load goes through the mount, whose read() counter (.kvfs/stats bytes_read) is the bytes a
               full hit reads
 Prompts: --reps distinct token sequences of --tokens + 1 tokens (a hit of --tokens, a chunk multiple),
-after one warm-up request per engine; prefill in steps of 256 tokens. Dummy weights make KV that says nothing about compression: stored/raw
-is not measured here (docs/benchmarks.md gives it from real and real-derived KV).
+after one warm-up request per engine; prefill in steps of 256 tokens. Dummy weights make KV that says
+nothing about compression, so the engines give no stored/raw.
 
-    .venv/bin/python tools/bench_models.py [--families ...] [--tokens 2048] [--reps 3]
-Table on stdout, JSON in bench-results/bench_models.json.
+`--latents`: stored/raw of real-derived MLA latents instead, through the connector's worker into a kvfs
+mount, beside the same tokens' GQA chunks. There is no real MLA model here, so the latents come from SmolLM2's
+real weights and activations the way MHA2MLA converts a GQA model: per layer, the SVD of its stacked K and V
+projections, W = U S V^T, gives the latent c = S V^T h of the layer's real input h (384 dims, RMS-normalised as
+DeepSeek's kv_a_layernorm does), and the rope part is the real K of head 0 after RoPE (64 dims): 448 per token.
+
+    .venv/bin/python tools/bench_models.py [--families ...] [--tokens 2304] [--reps 3] [--latents]
+Table on stdout, JSON in bench-results/bench_models.json (bench_models_latents.json with --latents).
 """
 
 from __future__ import annotations
@@ -98,14 +104,94 @@ def measure(name: str, work: Path, tokens: int, reps: int, tok) -> dict:
             "files_per_namespace": {ns: len(v) for ns, v in parts.items()}}
 
 
+def real_derived_latents(tokens: int):
+    """Per layer, MHA2MLA-style latents [tokens][448] and the GQA K|V [3 heads][tokens][128] of the same tokens
+    (SmolLM2-135M's real weights and a Python source as the prompt), bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = REPO / ".venv" / "opt" / "models" / "SmolLM2-135M-Instruct"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ids = prompts(tokens, 0, tok)[0]
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
+        latents, kvs = [], []
+        for layer, block in enumerate(model.model.layers):
+            h = block.input_layernorm(out.hidden_states[layer][0]).float()  # what k_proj and v_proj read
+            w = torch.cat([block.self_attn.k_proj.weight, block.self_attn.v_proj.weight]).float()
+            _, s, vh = torch.linalg.svd(w, full_matrices=False)
+            c = h @ (vh.T * s)  # [tokens][384]
+            c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
+            cache = out.past_key_values.layers[layer]
+            k, v = cache.keys[0], cache.values[0]  # [3 heads][tokens][64], K after RoPE
+            latents.append(torch.cat([c, k[0].float()], dim=-1).to(torch.bfloat16))
+            kvs.append(torch.cat([k, v], dim=-1))
+    return latents, kvs
+
+
+def latent_ratios(work: Path, tokens: int) -> dict:
+    """stored/raw of the latents and of the GQA chunks, each saved by the connector's worker into a mount."""
+    import os
+
+    import torch
+    from kvfs_connector import chunkfile
+    from kvfs_connector import layout as layouts
+    from kvfs_connector.mount import MountGuard
+    from kvfs_connector.plan import SaveSpec
+    from kvfs_connector.worker import WorkerSide
+
+    latents, kvs = real_derived_latents(tokens)
+    bs, chunk, blocks = 16, 256, tokens // 16
+    m = Mount(str(REPO / ".venv" / "bin" / "kvfs"), "auto", work / "latents", Path("/dev/shm"), 1 << 30, "latents")
+    m.start()
+    out = {}
+    try:
+        for name, caches, geometry, engine in (
+                ("mla-latent", [x.view(blocks, 1, bs, 448) for x in latents],
+                 layouts.Geometry(len(latents), 1, 448, bs, chunk, torch.bfloat16), layouts.EngineLayout("CPU_MLA")),
+                ("gqa (the same tokens)", [x.view(3, blocks, bs, 128).permute(1, 0, 2, 3).contiguous() for x in kvs],
+                 layouts.Geometry(len(kvs), 3, 64, bs, chunk, torch.bfloat16), layouts.EngineLayout("FLASH_ATTN"))):
+            lay = layouts.choose(geometry, tuple(caches[0].shape), engine)
+            w = WorkerSide(lay, caches, {str(i): i for i in range(len(caches))}, 0,
+                           MountGuard(str(m.mountpoint), require_mount=False), 2, 1 << 30)
+            paths = []
+            for k in range(tokens // chunk):
+                path = str(m.mountpoint / name.split()[0] / "ab" / f"ab{k:02d}.kv")
+                ids = list(range(k * chunk // bs, (k + 1) * chunk // bs))
+                w.save([SaveSpec("r", [path], k * chunk, chunk, chunkfile.token_digest(range((k + 1) * chunk)), ids)])
+                paths.append(path)
+            w.flush(60)
+            w.shutdown()
+            stored = sum(int(os.getxattr(p, "user.kvfs.stored_bytes")) for p in paths)
+            raw = sum(os.stat(p).st_size for p in paths)
+            codecs = sorted({os.getxattr(p, "user.kvfs.codec").decode() for p in paths})
+            out[name] = {"stored_over_raw": stored / raw, "codecs": codecs, "files": len(paths), "raw_bytes": raw}
+    finally:
+        m.stop([])
+        m.remove_dirs()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--tokens", type=int, default=2304,
                     help="hit length, a multiple of every family's chunk (256; 384 for the Granite-style hybrid)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "bench-results" / "bench_models.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--latents", action="store_true", help="stored/raw of real-derived MLA latents instead")
     args = ap.parse_args()
+    if args.latents:
+        with tempfile.TemporaryDirectory(prefix="bench-latents-", dir="/var/tmp") as tmp:
+            ratios = latent_ratios(Path(tmp), 1024)
+        print("real-derived MLA latents (MHA2MLA-style from SmolLM2's real weights), 1024 tokens, 30 layers, bf16")
+        for name, r in ratios.items():
+            print(f"  {name:<24} stored/raw {r['stored_over_raw']:.4f}  codec {','.join(r['codecs'])}")
+        out = Path(args.out or REPO / "bench-results" / "bench_models_latents.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(ratios, indent=1))
+        return 0
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(REPO / ".venv" / "opt" / "models" / "SmolLM2-135M-Instruct")
@@ -132,7 +218,7 @@ def main() -> int:
                           for n in [r["files_per_namespace"][ns]])
         print(f"{r['family']:<11} {'+'.join(r['parts']):<12} {r['ttft_recompute_s']:>11.3f} {r['ttft_hit_s']:>7.3f} "
               f"{r['speedup']:>6.1f}x {r['bytes_read_per_hit'] / 1e6:>11.3f}  {sizes}")
-    out = Path(args.out)
+    out = Path(args.out or REPO / "bench-results" / "bench_models.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"tokens": args.tokens, "reps": args.reps, "dtype": vllm_driver.engine_dtype(),
                                "rows": rows, "failures": failures}, indent=1))
