@@ -9,7 +9,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from . import lossy
+from . import lossy, quotas, units
 from .tiers.s3 import S3Location
 
 DEFAULT_L2_CAPACITY = 1 << 30  # a modest 1 GiB of tmpfs
@@ -28,8 +28,6 @@ DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "none")
 # checksum ("decode": a decode per byte written)
 ADOPT_VERIFY = ("table", "checksums", "decode")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(I?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 
 
 class ConfigError(ValueError):
@@ -37,16 +35,11 @@ class ConfigError(ValueError):
 
 
 def parse_size(text: str | int) -> int:
-    """'512M', '8G', '1.5GiB', '4096' → bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ConfigError(f"not a size: {text!r} (use e.g. 512M, 8G)")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value < 1:
-        raise ConfigError(f"size must be positive: {text!r}")
-    return int(value)
+    """'512M', '8G', '1.5GiB', '4096' → bytes (binary units); ConfigError otherwise."""
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -536,8 +529,6 @@ def _max_backlog(value, l2_capacity: int) -> int | None:
 
 
 def _quota_config(section: dict, tiers: list[str]) -> tuple[tuple[str, str], ...]:
-    from . import quotas
-
     out = []
     for directory, spec in section.items():
         path = _inside_mount(directory, "[quotas] directory")

@@ -16,7 +16,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 
-from .config import ConfigError, parse_size
+from .units import parse_size
 
 XA_QUOTA = b"user.kvfs.quota"
 _TIER = re.compile(r"^(L[234])$")
@@ -36,7 +36,7 @@ def parse(spec: str | bytes, tiers: Iterable[str]) -> dict[str, int]:
             raise ValueError(f"quota {part!r}: no tier {name} here (tiers: {', '.join(tiers)})")
         try:
             out[name] = parse_size(size.strip())
-        except ConfigError as e:
+        except ValueError as e:
             raise ValueError(f"quota {part!r}: {e}") from None
     return out
 

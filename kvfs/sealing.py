@@ -43,6 +43,11 @@ class Transcode:
         delta = crypto.SEAL_OVERHEAD if self.cipher_out is not None else -crypto.SEAL_OVERHEAD
         return self.header.data_offset + sum(e.stored_len + delta for e in self.source.frames if not e.is_hole)
 
+    def body(self, body: bytes) -> bytes:
+        """The transcoded copy of an object held in memory (a publish uploads one body): a method, so that the
+        tiers that take a Transcode need not import this module (which imports them)."""
+        return transcode_body(self, body)
+
 
 class Tenants:
     """Tenant directories with keys of their own ([encryption] tenant keys): a file below one is sealed with

@@ -145,8 +145,7 @@ class S3Tier(Tier):
         if len(body) != size:
             raise fmt.CorruptObject(f"object {source_id} in {source.name} is shorter than {size} bytes")
         if transcode is not None:
-            from ..sealing import transcode_body
-            body = transcode_body(transcode, body)
+            body = transcode.body(body)
         try:
             answer = self.client.put_object(Bucket=self.location.bucket, Key=self._key(object_id), Body=body,
                                             Metadata={**_metadata(body), **meta}, IfNoneMatch="*")
