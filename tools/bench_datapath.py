@@ -21,6 +21,7 @@ Arms (a registry, ARMS below: one line per arm):
     direct write 1 and 2          kvfs.direct.write_file(path, data) where kvfs provides it (else skipped)
     batched write 1 and 2         kvfs.direct.write_files, BATCH_FILES files per call: one adoption for them
     base  write/read 1 and 2      the FUSE arms against another checkout's daemon (--baseline DIR)
+    base direct/batched write 1, 2   the direct and batched write arms (this checkout's writer) against it
 and, in this process, the codec's single-thread encode speed on the same data (the default policy, one frame after
 the other, then format.build_object): the reference for direct writes (target: >= 0.8x of it).
 
@@ -37,8 +38,12 @@ direct and batched write 1 >= 0.8x the codec's single-thread encode speed with t
 Usage (as root, FUSE available):
     .venv/bin/python tools/bench_datapath.py                    # ~300 MB per arm, 3 rounds
     .venv/bin/python tools/bench_datapath.py --quick            # ~60 MB per arm, 1 round
-    .venv/bin/python tools/bench_datapath.py --baseline /tmp/kvfs-base   # + the FUSE arms of an older checkout
-    .venv/bin/python tools/bench_datapath.py --py-spy DIR       # + a py-spy profile of the daemon per FUSE arm
+    .venv/bin/python tools/bench_datapath.py --baseline /tmp/kvfs-base   # + the FUSE and direct-write arms of an
+                                                                         #   older checkout's daemon
+    # direct writes' daemon CPU, before (the base arms: the --baseline checkout's daemon) and after, in one run
+    # (with --mb 1000: the daemon's CPU is read in 10 ms ticks):
+    .venv/bin/python tools/bench_datapath.py --baseline /tmp/kvfs-base --only "direct write,batched,base d,base b"
+    .venv/bin/python tools/bench_datapath.py --py-spy DIR       # + a py-spy profile of the daemon per kvfs arm
 Outputs: bench-results/datapath.json and bench-results/datapath.png (--out, --plot to change).
 """
 
@@ -194,10 +199,10 @@ def _arms() -> list[Arm]:
     for target in ("plain", "fuse", "base"):
         for n in (1, 2):
             arms.append(Arm(f"{target} write {n}", target, "write", "posix", n))
-    for n in (1, 2):
-        arms.append(Arm(f"direct write {n}", "fuse", "write", "direct", n))
-    for n in (1, 2):
-        arms.append(Arm(f"batched write {n}", "fuse", "write", "batch", n))
+    for method, label in (("direct", "direct"), ("batch", "batched")):
+        for n in (1, 2):  # each next to its base arm: this checkout's writer, the baseline's daemon adopting
+            arms.append(Arm(f"{label} write {n}", "fuse", "write", method, n))
+            arms.append(Arm(f"base {label} write {n}", "base", "write", method, n))
     for target in ("plain", "fuse", "base"):
         for n in (1, 2):
             arms.append(Arm(f"{target} read {n}", target, "read", "posix", n, reads_from=f"{target} write {n}"))
@@ -295,7 +300,7 @@ class Run:
         if arm.op == "read":
             drop_caches()
         stats0 = mount.stats() if mount else None
-        spy = self._py_spy(pid, tag) if self.args.py_spy and pid and arm.method == "posix" else None
+        spy = self._py_spy(pid, tag) if self.args.py_spy and pid else None
         cpu0 = proc_cpu_s(pid)
         go.touch()
         for pr in procs:
@@ -314,6 +319,7 @@ class Run:
         wall = max(r["end"] for r in results) - min(r["start"] for r in results)
         rec = {"bytes": total, "files": sum(r["files"] for r in results), "wall_s": wall, "mb_s": total / MB / wall,
                "daemon_cpu_s": cpu1 - cpu0, "daemon_cpu_s_per_gb": (cpu1 - cpu0) / (total / GB) if pid else None,
+               "daemon_ms_per_file": (cpu1 - cpu0) * 1e3 / sum(r["files"] for r in results) if pid else None,
                "client_cpu_s": sum(r["cpu_s"] for r in results),
                "past_fuse": sum(r["past_fuse"] for r in results),
                "start_skew_s": max(r["start"] for r in results) - min(r["start"] for r in results)}
@@ -404,6 +410,8 @@ def summarise(rounds: list[dict[str, dict]]) -> dict[str, dict]:
         s = {"mb_s": statistics.median(r["mb_s"] for r in recs), "rounds": [r["mb_s"] for r in recs]}
         cpus = [r["daemon_cpu_s_per_gb"] for r in recs if r.get("daemon_cpu_s_per_gb") is not None]
         s["daemon_cpu_s_per_gb"] = statistics.median(cpus) if cpus else None
+        per_file = [r["daemon_ms_per_file"] for r in recs if r.get("daemon_ms_per_file") is not None]
+        s["daemon_ms_per_file"] = statistics.median(per_file) if per_file else None
         kib = [r["request_kib"] for r in recs if r.get("request_kib")]
         s["request_kib"] = statistics.median(kib) if kib else None
         s["past_fuse"] = recs[0].get("past_fuse")
@@ -427,18 +435,18 @@ def _f(x, fmt_: str) -> str:
 
 
 def table(summary: dict[str, dict], codec: dict | None) -> str:
-    lines = [f"{'arm':<16} {'MB/s':>8} {'x plain':>8} {'2 vs 1':>7} {'daemon CPU-s/GB':>16} {'req KiB':>8}  note",
-             "-" * 80]
+    lines = [f"{'arm':<20} {'MB/s':>8} {'x plain':>8} {'2 vs 1':>7} {'daemon CPU-s/GB':>16} {'req KiB':>8}  note",
+             "-" * 84]
     for arm in ARMS:
         s = summary[arm.name]
         if "mb_s" not in s:
             if "no --baseline" not in s["skipped"]:
-                lines.append(f"{arm.name:<16} {'skipped: ' + s['skipped']}")
+                lines.append(f"{arm.name:<20} {'skipped: ' + s['skipped']}")
             continue
         note = ""
         if arm.method in PAST_FUSE:
-            note = f"{s['past_fuse']}/{s['files']} past FUSE"
-        lines.append(f"{arm.name:<16} {s['mb_s']:>8.0f} {_f(s.get('ratio_plain'), '>8.2f')} "
+            note = f"{s['past_fuse']}/{s['files']} past FUSE, daemon {_f(s['daemon_ms_per_file'], '.2f')} ms/file"
+        lines.append(f"{arm.name:<20} {s['mb_s']:>8.0f} {_f(s.get('ratio_plain'), '>8.2f')} "
                      f"{_f(s.get('scaling_2v1'), '>7.2f')} {_f(s['daemon_cpu_s_per_gb'], '>16.2f')} "
                      f"{_f(s['request_kib'], '>8.0f')}  {note}")
     if codec:
@@ -519,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs for L2 and the plain arms")
     p.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the daemons (repeatable), e.g. KVFS_KEEP_WRITTEN_PAGES=0")
-    p.add_argument("--py-spy", type=Path, metavar="DIR", help="record a py-spy profile of the daemon per FUSE arm")
+    p.add_argument("--py-spy", type=Path, metavar="DIR", help="record a py-spy profile of the daemon per kvfs arm")
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "datapath.json")
     p.add_argument("--plot", type=Path, default=REPO / "bench-results" / "datapath.png")
     args = p.parse_args(argv)
@@ -555,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                     res[arm.name] = run.run_arm(arm, per_arm, srcs)
                     r = res[arm.name]
                     if "mb_s" in r:
-                        print(f"round {rnd}: {arm.name:<15} {r['mb_s']:7.0f} MB/s  daemon "
+                        print(f"round {rnd}: {arm.name:<20} {r['mb_s']:7.0f} MB/s  daemon "
                               f"{_f(r['daemon_cpu_s_per_gb'], '.2f')} CPU-s/GB  "
                               f"req {_f(r.get('request_kib'), '.0f')} KiB",
                               flush=True)
