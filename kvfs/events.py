@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 XA_BLOCKS = b"user.kvfs.blocks"
 RECORD_MAX = 64 << 10  # a record is an xattr value: the kernel's limit
+MAX_GROUPS = 1024  # KV-cache groups one file can announce
 DRAIN_INTERVAL_S = 0.02  # the trigger log is read this often: the events' latency
 START_GRACE_S = 1.0  # before the start's announcement: subscribers of the last run reconnect (ZMQ retries
 # every 100 ms) and PUB drops what no subscriber asked for; a later one replays it
@@ -98,6 +99,9 @@ class BlockRecord(msgspec.Struct, forbid_unknown_fields=False, gc=False):
     lora_name: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    # a file of several KV-cache groups (a hybrid model's part: kvfs_connector/model.py): the blocks are
+    # announced once per group, as vLLM announces each group's; group_idx is then the first of them
+    group_ids: list[int] | None = None
 
 
 _record_decoder = msgspec.msgpack.Decoder(BlockRecord)
@@ -122,7 +126,14 @@ def parse_record(value: bytes) -> BlockRecord:
         raise ValueError(f"block_size {rec.block_size} < 1")
     if rec.token_ids and len(rec.token_ids) != len(rec.block_hashes) * rec.block_size:
         raise ValueError(f"{len(rec.token_ids)} token ids for {len(rec.block_hashes)} blocks of {rec.block_size}")
+    if rec.group_ids is not None and not 0 < len(rec.group_ids) <= MAX_GROUPS:
+        raise ValueError(f"{len(rec.group_ids)} group ids (1 to {MAX_GROUPS})")
     return rec
+
+
+def record_groups(rec: BlockRecord) -> list[int | None]:
+    """The groups a record's blocks are announced under: its group_ids, else its one group_idx."""
+    return list(rec.group_ids) if rec.group_ids else [rec.group_idx]
 
 
 def without_tokens(value: bytes) -> bytes:
@@ -134,7 +145,7 @@ def without_tokens(value: bytes) -> bytes:
         return value
     return encode_record(BlockRecord(block_hashes=rec.block_hashes, block_size=rec.block_size,
                                      parent_block_hash=rec.parent_block_hash, lora_name=rec.lora_name,
-                                     group_idx=rec.group_idx))
+                                     group_idx=rec.group_idx, group_ids=rec.group_ids))
 
 
 # -- the source: trigger log → events -----------------------------------------------------------------------
@@ -194,15 +205,15 @@ class EventSource:
             self._held[(key, old)] -= 1
             if self._held[(key, old)] <= 0:
                 del self._held[(key, old)]
-                out.append(BlockRemoved(block_hashes=rec.block_hashes, medium=self.medium(old),
-                                        group_idx=rec.group_idx))
+                out.extend(BlockRemoved(block_hashes=rec.block_hashes, medium=self.medium(old), group_idx=g)
+                           for g in record_groups(rec))
         if new is not None:
             self._held[(key, new)] += 1
             if self._held[(key, new)] == 1:
-                out.append(BlockStored(
+                out.extend(BlockStored(
                     block_hashes=rec.block_hashes, parent_block_hash=rec.parent_block_hash, token_ids=rec.token_ids,
                     block_size=rec.block_size, lora_id=None, medium=self.medium(new), lora_name=rec.lora_name,
-                    extra_keys=rec.extra_keys, group_idx=rec.group_idx))
+                    extra_keys=rec.extra_keys, group_idx=g) for g in record_groups(rec))
         return out
 
     def _send(self, events: list) -> None:

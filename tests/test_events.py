@@ -171,3 +171,30 @@ def test_eviction_from_the_last_tier_removes_the_blocks(make_mount):
     assert evicted and sorted(e[2] for e in view if e[0] == "BlockRemoved") == evicted
     assert blocks_of(sub.events()) == {("L2", h) for n in range(6) if n not in evicted for h in record(n).block_hashes}
     sub.__exit__()
+
+
+def test_a_file_of_several_groups_is_announced_under_each(make_mount):
+    """A hybrid model's part (kvfs_connector: e.g. every sliding-window group of Gemma 3) is one file whose
+    record names its groups: a subscriber gets one BlockStored and one BlockRemoved per group, as vLLM
+    announces each group's blocks."""
+    pub, rep = endpoints()
+    m = start_tiered(make_mount(), "64M", "256M", "--events", pub, "--events-replay", rep)
+    sub = EventCollector([pub], {pub: rep}).__enter__()
+    assert summary(sub.wait(1)) == [("cleared",)]
+    rec = record(3)
+    rec.group_idx, rec.group_ids = 1, [1, 2, 5]
+    path = m.path("ns/cc/c.kv")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(os.urandom(64 * KiB))
+    os.setxattr(path, "user.kvfs.blocks", encode_record(rec))
+    stored = sub.wait(4)[1:]
+    assert summary(stored) == [("BlockStored", "L2", 3)] * 3 and [ev.group_idx for ev in stored] == [1, 2, 5]
+    os.unlink(path)
+    removed = sub.wait(7)[4:]
+    assert summary(removed) == [("BlockRemoved", "L2", 3)] * 3 and [ev.group_idx for ev in removed] == [1, 2, 5]
+    with pytest.raises(OSError) as e:  # more groups than a record may name: refused
+        rec.group_ids = list(range(2000))
+        m.path("ns/x").write_bytes(b"x")
+        os.setxattr(m.path("ns/x"), "user.kvfs.blocks", encode_record(rec))
+    assert e.value.errno == errno.EINVAL
+    sub.__exit__()

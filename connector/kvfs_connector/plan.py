@@ -277,9 +277,9 @@ class Planner:
                 self.stats["unsaveable_chunks"] += 1  # a window's blocks were freed already: never complete
                 state.next_chunk += 1
                 continue
-            if self.record_blocks:  # each part's file announces its blocks under its (first) group
+            if self.record_blocks:  # each part's file announces its blocks under each of its groups
                 for spec, part in zip(specs, self.parts):
-                    spec.blocks = self.block_record(request, k, part.groups[0])
+                    spec.blocks = self.block_record(request, k, part.groups[0], part.groups)
             out.extend(specs)
             state.next_chunk += 1
         return out
@@ -304,7 +304,8 @@ class Planner:
         return SaveSpec(request.request_id, paths, k * C, C, token_digest(request.all_token_ids[:(k + 1) * C]),
                         groups[0], None, p, groups if len(groups) > 1 else None)
 
-    def block_record(self, request, chunk: int, group: int | None = None) -> bytes:
+    def block_record(self, request, chunk: int, group: int | None = None,
+                     groups: Sequence[int] | None = None) -> bytes:
         """The vLLM blocks chunk `chunk` holds, as vLLM's own BlockStored describes them (kvfs/events.py):
         kvfs announces them to routers in the tier the file is in."""
         per_hash = self.hash_block_size
@@ -318,7 +319,8 @@ class Planner:
             token_ids=list(request.all_token_ids[start:start + self.chunk_size]),
             block_size=per_hash, lora_name=lora.name if lora is not None else None,
             extra_keys=compat.event_extra_keys(request, start, start + self.chunk_size, per_hash),
-            group_idx=group if self.groups > 1 else None))
+            group_idx=group if self.groups > 1 else None,
+            group_ids=list(groups) if groups and len(groups) > 1 else None))
 
     def _prefetch(self, request, chunks: int) -> None:
         """Chunks a request will load go to kvfs's fastest tier in the background: a request waiting for
