@@ -23,6 +23,7 @@ from .types import (FUSEError, EntryAttributes, ReaddirToken, RequestContext, Se
 log = logging.getLogger("kvfs.frontend")
 
 MAX_THREADS = int(os.environ.get("KVFS_FUSE_THREADS", "8"))  # libfuse workers (they only queue: few are busy)
+END_GRACE_S = 2.0  # at the loop's end, for the requests in progress
 CLONE_FD = os.environ.get("KVFS_FUSE_CLONE_FD", "1") != "0"
 
 _ops = None
@@ -74,6 +75,10 @@ async def main(max_threads: int = MAX_THREADS, clone_fd: bool = CLONE_FD) -> Non
                         _ops.init()
                     else:
                         nursery.start_soon(dispatch.run, r)
+            # requests in progress get a moment to answer; then they are cancelled (answered EINTR), as
+            # pyfuse3's main() cancels its handlers: one may wait for a request no thread reads any more
+            # (pagecache.py stats the file through the mount)
+            nursery.cancel_scope.deadline = trio.current_time() + END_GRACE_S
     finally:
         if not ended:  # cancelled or failed: stop the C loop too (the mount stays until close)
             _loop.exit()
