@@ -185,7 +185,8 @@ def test_hybrid_saves_store_the_window_tail_of_each_group(tmp_path):
 
 def test_a_window_freed_before_its_save_is_never_stored_from_stale_ids(tmp_path):
     """A chunk saved late (its hash came later: asynchronous scheduling) whose window blocks vLLM freed in
-    the meantime: the ids the planner holds may belong to another request now. Not saved, counted."""
+    the meantime: the ids the planner holds may belong to another request now. Its window file is not
+    saved (counted); its full-attention file is, for longer hits."""
     p = _planner(tmp_path)
     req = FakeRequest("a", list(range(1000, 1700)), 700, hash_block=BS)
     p.lookup(req, 0)
@@ -200,7 +201,8 @@ def test_a_window_freed_before_its_save_is_never_stored_from_stale_ids(tmp_path)
     _, saves = p.step(_so(cached=cached, tokens={"a": 100}))
     # at 600 computed tokens vLLM freed window blocks below (600 - 99) // 16 = 31: chunk 0's tail (9..15) and
     # chunk 1's (25..31) are gone, chunk 2 is not complete
-    assert saves == [] and p.stats["unsaveable_chunks"] == 2
+    assert [(s.first_token, s.part) for s in saves] == [(0, 0), (256, 0)]
+    assert p.stats["tails_not_saved"] == 2 and p.stats["unsaveable_chunks"] == 0
 
 
 def test_null_blocks_in_a_window_load_fail_the_load_instead_of_writing_block_0(tmp_path):
@@ -306,7 +308,25 @@ def test_a_state_is_saved_only_in_the_step_that_ends_at_the_chunks_end(tmp_path)
     cached = types.SimpleNamespace(req_ids=["a"], resumed_req_ids=set(), new_block_ids=[None],
                                    num_computed_tokens=[256])
     _, saves = p.step(_so(cached=cached, tokens={"a": 400}))  # ran past chunk 1's end (512) to 656
-    assert saves == [] and p.stats["unsaveable_chunks"] == 1
+    assert [(s.first_token, s.part) for s in saves] == [(256, 0)] and p.stats["tails_not_saved"] == 1
+
+
+def test_chunks_without_their_state_serve_longer_hits(tmp_path):
+    """vLLM computed chunks 0-2 in one step: only chunk 2's end has a state. Chunks 0-1 keep their attention
+    files, and a hit ends where a state is: 768, never 256 or 512 (no state there) nor 699."""
+    p = _state_planner(tmp_path)
+    req = FakeRequest("a", list(range(1000, 1900)), 900, hash_block=SBS)
+    for k in range(3):
+        for path in p.chunk_paths(req, k, 0):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "wb").close()
+    assert p.lookup(req, 0) == 0  # no state at any chunk end
+    (state,) = p.chunk_paths(req, 2, 1)
+    os.makedirs(os.path.dirname(state), exist_ok=True)
+    open(state, "wb").close()
+    assert p.lookup(req, 0) == 768
+    os.unlink(p.chunk_paths(req, 1, 0)[0])  # a body file gone: nothing beyond chunk 0 is restorable
+    assert p.lookup(req, 0) == 0
 
 
 def test_every_part_of_a_tenants_chunk_is_under_its_directory_and_carries_its_group(tmp_path):

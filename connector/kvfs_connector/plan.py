@@ -19,6 +19,9 @@ from .mount import MountGuard
 from .naming import chunk_relpath, tenant_dir
 
 NULL_BLOCK = 0  # vLLM's null block: skipped positions (outside a sliding window); never stored or loaded
+# Parts needed only where a hit ends (a window's last blocks, a recurrent state): a chunk without its tail
+# files still serves longer hits, whose ends have theirs. The other parts are needed for every chunk of a hit.
+TAIL_KINDS = ("window", "state")
 
 log = logging.getLogger("vllm.kvfs_connector")
 
@@ -108,7 +111,7 @@ class Planner:
         self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (chunks found, locally computed tokens)
         self._loads: list[LoadSpec] = []
         self.stats = {"lookups": 0, "hit_tokens": 0, "queried_tokens": 0, "prefetched_chunks": 0,
-                      "idle_marked_chunks": 0, "unsaveable_chunks": 0}
+                      "idle_marked_chunks": 0, "unsaveable_chunks": 0, "tails_not_saved": 0}
 
     # -- names -----------------------------------------------------------------------------------------
     @property
@@ -147,34 +150,57 @@ class Planner:
         """Tokens beyond num_computed_tokens that chunk files can provide: whole chunks inside the prompt, but
         never the last prompt token (vLLM must compute at least one token to sample from). The hit may end
         inside a block: its slots beyond the hit are written by the load and again by vLLM's own compute.
-        With sliding-window parts, a hit must also be restorable in their windows (whole chunks otherwise)."""
+        With window or state parts, the hit must also be restorable there (their files at its end)."""
         prompt_len = len(request.prompt_token_ids or ())
         limit = prompt_len - 1
-        found = 0
+        hit = 0
         if limit > 0 and self.guard.usable():
-            found = self._count_existing(request, limit)
+            try:
+                hit = self._longest_hit(request, limit)
+            except OSError as e:
+                self.guard.failed(e)
+            found = -(-hit // self.chunk_size)
             if self.prefetch and found and request.request_id not in self._prefetched:
                 self._prefetched.add(request.request_id)
                 self._prefetch(request, found)
-        hit = min(found * self.chunk_size, limit)
-        if self.has_window and not restorable(self.parts, hit, found, self.chunk_size):
-            hit = min(found, limit // self.chunk_size) * self.chunk_size
         self._hits[request.request_id] = (-(-hit // self.chunk_size), num_computed_tokens)
         self.stats["lookups"] += 1
         self.stats["queried_tokens"] += prompt_len
         return max(0, hit - num_computed_tokens)
 
-    def _count_existing(self, request, limit: int) -> int:
-        chunks = -(-limit // self.chunk_size)
-        for k in range(chunks):
-            paths = self.all_chunk_paths(request, k)
-            try:
-                if paths is None or not all(files.exists(p) for p in paths):
-                    return k
-            except OSError as e:
-                self.guard.failed(e)
-                return k
-        return chunks
+    def _longest_hit(self, request, limit: int) -> int:
+        """The longest restorable hit: every chunk's body files (full attention, MLA) up to it, and the tail
+        files (window, state) its end needs."""
+        C = self.chunk_size
+        body = [p for p, part in enumerate(self.parts) if part.kind not in TAIL_KINDS]
+        found = 0
+        for k in range(-(-limit // C)):
+            paths = [self.chunk_paths(request, k, p) for p in body] if body else [self.chunk_paths(request, k)]
+            if any(ps is None for ps in paths) or (body and not all(files.exists(x) for ps in paths for x in ps)):
+                break
+            found = k + 1
+        if not self.has_window:
+            return min(found * C, limit)
+        for chunks in range(found, 0, -1):
+            for hit in dict.fromkeys((min(chunks * C, limit), chunks * C)):  # inside the chunk, else its end
+                if hit <= limit and self._tail_ready(request, hit, chunks):
+                    return hit
+        return 0
+
+    def _tail_ready(self, request, hit: int, chunks: int) -> bool:
+        """Whether the window and state parts can restore a hit of `hit` tokens from their files."""
+        if not restorable(self.parts, hit, chunks, self.chunk_size):
+            return False
+        for p, part in enumerate(self.parts):
+            if part.kind not in TAIL_KINDS:
+                continue
+            per_chunk = part.blocks_per_chunk(self.chunk_size)
+            first, end = window_blocks_needed(part, hit)
+            for k in sorted({b // per_chunk for b in range(first, end)}):
+                paths = self.chunk_paths(request, k, p)
+                if paths is None or not all(files.exists(x) for x in paths):
+                    return False
+        return True
 
     def allocated(self, request, block_ids, num_external_tokens: int) -> None:
         """After vLLM allocated blocks (one list per KV-cache group): remember the request, plan its loads."""
@@ -271,17 +297,20 @@ class Planner:
                 break  # hash not there yet (asynchronous scheduling): try next step
             specs = [self._save_spec(request, state, k, p, part, paths[p], done, kv_tokens)
                      for p, part in enumerate(self.parts)]
-            if not all(isinstance(s, SaveSpec) for s in specs):
-                if "later" in specs:
-                    break  # blocks not there yet
-                self.stats["unsaveable_chunks"] += 1  # a window's blocks were freed already: never complete
-                state.next_chunk += 1
-                continue
-            if self.record_blocks:  # each part's file announces its blocks under each of its groups
-                for spec, part in zip(specs, self.parts):
-                    spec.blocks = self.block_record(request, k, part.groups[0], part.groups)
-            out.extend(specs)
+            if "later" in specs:
+                break  # blocks not there yet
             state.next_chunk += 1
+            if not all(isinstance(s, SaveSpec) for s, part in zip(specs, self.parts) if part.kind not in TAIL_KINDS):
+                self.stats["unsaveable_chunks"] += 1
+                continue
+            # a window freed already, or a state the step ran past (vLLM computed several chunks in one step):
+            # the chunk serves longer hits, not hits that end here
+            self.stats["tails_not_saved"] += sum(s is None for s in specs)
+            for spec, part in zip(specs, self.parts):
+                if isinstance(spec, SaveSpec):
+                    if self.record_blocks:  # each part's file announces its blocks under each of its groups
+                        spec.blocks = self.block_record(request, k, part.groups[0], part.groups)
+                    out.append(spec)
         return out
 
     def _save_spec(self, request, state: RequestState, k: int, p: int, part: Part, paths: list[str],
