@@ -473,7 +473,7 @@ def build_config(
         max_dirty=max_dirty,
         max_backlog=max_backlog,
         allow_other=bool(mount_t.get("allow_other", False) if allow_other is None else allow_other),
-        frontend=_frontend(frontend or mount_t.get("frontend", "pyfuse3")),
+        frontend=_frontend(frontend or mount_t.get("frontend") or os.environ.get("KVFS_FRONTEND") or "pyfuse3"),
         foreground=foreground,
         debug=debug or bool(mount_t.get("debug", False)),
         log_file=Path(lfile).expanduser() if lfile else None,
