@@ -19,13 +19,46 @@ from .stats import human_bytes as _human
 MOUNT_WAIT_S = 30.0
 
 
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    """The version, then what the optional native parts found on this host (a wheel's user asks this first)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import version
+
+    click.echo(f"kvfs, version {version('kvfs')}")
+    try:
+        from .codecs import kernel
+
+        click.echo(f"codec kernel: built in (libzstd in the kernel: {'yes' if kernel.ZSTD_IN_KERNEL else 'no'})")
+    except ImportError as e:
+        click.echo(f"codec kernel: absent ({e})")
+    try:
+        from .frontend import _loop  # noqa: F401
+
+        click.echo("native front end: available (--frontend native)")
+    except ImportError as e:
+        click.echo(f"native front end: unavailable ({e})")
+    from .codecs import qat
+
+    try:
+        click.echo(f"QATzip: {qat.load().path} (codec qat)")
+    except qat.QatUnavailable:
+        click.echo(f"QATzip: absent (codec qat unavailable; deflate writes the same format; {qat.ENV_LIB} "
+                   "names the library)")
+    ctx.exit()
+
+
 @click.group()
-@click.version_option(package_name="kvfs")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and the optional native parts found, then exit.")
 def main() -> None:
     """kvfs: a compressed, checksummed, tiered filesystem for LLM KV caches."""
 
 
-@main.command()
+# Every option of `kvfs mount` can also come from the environment, KVFS_MOUNT_<OPTION> (KVFS_MOUNT_L2,
+# KVFS_MOUNT_CODEC, KVFS_MOUNT_ALLOW_OTHER=1, KVFS_MOUNT_L3="DIR:SIZE DIR:SIZE", …): containers configure it so
+# (docs/deploy.md). The command line wins over the environment, and both over the TOML file.
+@main.command(context_settings={"auto_envvar_prefix": "KVFS_MOUNT"})
 @click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--l2", metavar="DIR:SIZE", help="L2 tier directory (normally tmpfs) and capacity, e.g. /dev/shm/kvfs:8G")
 @click.option("--l3", metavar="DIR:SIZE", multiple=True,
