@@ -36,12 +36,12 @@ import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import pyfuse3
 import trio
 
 from . import codecs, events
+from .frontend import api as fuse
 from . import format as fmt
 from . import lossy as lossy_modes
 from .codecs import transforms
@@ -51,8 +51,17 @@ from .staging import AdoptRequest, Offer, crash_point, decode_batch
 from .store import ObjectRef, Layout
 from .tiers import DirectoryTier, Tier
 
-if TYPE_CHECKING:
-    from .fs import Operations
+
+class MountState(Protocol):
+    """What adoption uses of the mount (kvfs/fs.py's Operations has it): adoption does not import the
+    request handlers, which import it."""
+
+    config: object
+    store: object
+    index: object
+    hotcold: object
+    counters: object
+
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +275,7 @@ def _put_from_staged(tier: Tier, staged: Path, oid: str, fd: int, size: int) -> 
 class Adopter:
     """Direct writes for one mount: the offer (getxattr), adoption (setxattr), and the staging sweep."""
 
-    def __init__(self, ops: "Operations") -> None:
+    def __init__(self, ops: MountState) -> None:
         self.ops = ops
         self.config = ops.config
         self._staging_made: Path | None = None
@@ -285,7 +294,7 @@ class Adopter:
         """The answer to getxattr(dir, user.kvfs.staging): how new files there are encoded, and where to stage."""
         tier = self.staging_tier()
         if tier is None or self.ops.store.tenants.of_inode(self.ops.index, ino) is not None:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)  # a tenant's files are sealed with its key, which writers lack
+            raise fuse.FUSEError(fuse.ENOATTR)  # a tenant's files are sealed with its key, which writers lack
         if self._staging_made != tier.staging_dir or not tier.staging_dir.is_dir():
             self._staging_made = tier.make_staging_dir()
         lossy = self.ops.index.get_xattr(ino, XA_LOSSY)
