@@ -93,11 +93,11 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(DTYPES),
               help="element type of stored data: byte planes for 2-byte floats, codec entropy8 for fp8 (default auto: "
                    "per file from a sample)")
-@click.option("--lossy", "lossy_mode", metavar="MODE",
+@click.option("--lossy", "lossy_mode", metavar="MODE", envvar="KVFS_MOUNT_LOSSY",
               help="opt-in lossy mode for all files of known dtype: none (default), mantissa:K (drop K mantissa "
                    "bits), fp8[:G] (FP8 E4M3, one scale per G values); per file or directory: user.kvfs.lossy")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              help="TOML configuration file")
+              envvar="KVFS_MOUNT_CONFIG", help="TOML configuration file")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="where the index lives")
 @click.option("--allow-other", is_flag=True, default=None, help="let other users access the mount")
 @click.option("--frontend", type=click.Choice(["pyfuse3", "native"]),
@@ -111,14 +111,16 @@ def main() -> None:
 @click.option("--metrics-address", metavar="ADDR", help="address the metrics port binds to (default 127.0.0.1)")
 @click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="encryption at rest: a file of 32 random bytes, mode 0600 (or KVFS_KEY=64 hex digits)")
-@click.option("--old-key-file", "old_key_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--old-key-file", "old_key_files", multiple=True, envvar="KVFS_MOUNT_OLD_KEY_FILE",
+              type=click.Path(dir_okay=False, path_type=Path),
               help="a rotated-out key whose objects stay readable (repeatable)")
-@click.option("--tenant-key", "tenant_keys", multiple=True, metavar="DIR=KEYFILE[,OLD...]",
+@click.option("--tenant-key", "tenant_keys", multiple=True, envvar="KVFS_MOUNT_TENANT_KEY",
+              metavar="DIR=KEYFILE[,OLD...]",
               help="a directory (relative to the mount) whose files are sealed in every tier with a key of its own "
                    "(repeatable); deleting that key shreds them")
 @click.option("--encrypt", metavar="TIERS",
               help="tiers that hold sealed objects only, e.g. L4 (the default with a key), L3,L4, or none")
-@click.option("--events", "events_endpoint", metavar="ENDPOINT",
+@click.option("--events", "events_endpoint", metavar="ENDPOINT", envvar="KVFS_MOUNT_EVENTS",
               help="publish KV events (vLLM's wire format) on a ZMQ PUB endpoint, e.g. tcp://*:5557 (docs/events.md)")
 @click.option("--events-replay", "events_replay", metavar="ENDPOINT",
               help="a ZMQ ROUTER endpoint where subscribers replay missed event batches, e.g. tcp://*:5558")

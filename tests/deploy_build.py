@@ -69,24 +69,41 @@ def dist() -> Dist:
     return _dist
 
 
-def image() -> str:
-    """The image's name; built with tools/build_image.sh from dist()'s wheelhouse."""
+IMAGE = "localhost/kvfs:test"
+ENGINE_IMAGE = "localhost/kvfs-engine:test"
+BASE = "localhost/kvfs-base:bookworm"  # tools/build_image.sh --base mmdebstrap: made once, kept in podman's store
+
+
+def image() -> tuple[str, str]:
+    """(the kvfs image, the engine stand-in), built from dist()'s wheelhouse: the first with
+    tools/build_image.sh --base mmdebstrap, the second FROM the same base (tests/deploy/engine.Containerfile)."""
     global _image
     if _image is None:
         if "image" in _failure:
             raise AssertionError(_failure["image"])
         d = dist()
         env = {**os.environ, "KVFS_DIST": str(d.root), "PYTHON": sys.executable, "KVFS_IMAGE": IMAGE,
-               "KVFS_BASE_CACHE": str(BASE_CACHE), "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
-        r = subprocess.run([str(REPO / "tools" / "build_image.sh"), "--base", "mmdebstrap", "--no-wheel"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-        if r.returncode:
-            _failure["image"] = f"tools/build_image.sh failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
-            raise AssertionError(_failure["image"])
+               "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
+        steps = [[str(REPO / "tools" / "build_image.sh"), "--base", "mmdebstrap", "--no-wheel"],
+                 ["podman", "build", "--quiet", "--build-arg", f"BASE={BASE}", "--build-context",
+                  f"wheels={d.wheelhouse}", "-f", str(REPO / "tests" / "deploy" / "engine.Containerfile"),
+                  "-t", ENGINE_IMAGE, str(REPO / "tests" / "deploy")]]
+        for cmd in steps:
+            r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+            if r.returncode:
+                _failure["image"] = f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+                raise AssertionError(_failure["image"])
+            if cmd[0].endswith("build_image.sh"):
+                BUILD_REPORT.append(r.stdout.strip())
         _image = IMAGE
-    return _image
+        atexit.register(_remove_images)
+    return IMAGE, ENGINE_IMAGE
 
 
-IMAGE = "localhost/kvfs:test"
-# the mmdebstrap rootfs, kept between runs on this machine (a base image is rebuilt only when it is missing)
-BASE_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvfs-build"
+BUILD_REPORT: list[str] = []
+
+
+def _remove_images() -> None:
+    """The test images and the build stages they left (dangling); the base stays for the next run."""
+    subprocess.run(["podman", "rmi", "-f", IMAGE, ENGINE_IMAGE], capture_output=True)
+    subprocess.run(["podman", "image", "prune", "-f", "--filter", "label=io.kvfs.image"], capture_output=True)
