@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -47,16 +48,25 @@ def mounted(path: Path) -> list[str]:
 
 
 class Host:
-    def __init__(self, root: Path, images: tuple[str, str]) -> None:
+    def __init__(self, root: Path, images: tuple[str, str], owner: int | None = None) -> None:
         self.image, self.engine_image = images
         self.root = root
         self.share = root / "share"  # the mountpoint's parent: a shared mount on the host
         self.mountpoint = self.share / "main"
         self.l3 = root / "l3"
         self.state = root / "state"
-        self.l2 = Path("/dev/shm") / f"kvfs-deploy-test-{os.getpid()}"
+        self.l2 = Path("/dev/shm") / f"kvfs-test-{os.getpid()}-{root.name}"
         for d in (self.share, self.l3, self.state, self.l2):
             d.mkdir(parents=True, exist_ok=True)
+            if owner is not None:
+                os.chown(d, owner, owner)
+        # /dev/fuse as podman passes it on: the host's node (mode 0600 on these VMs: root only), or for a
+        # non-root daemon a node of our own with the usual 0666 (what udev gives /dev/fuse on most hosts)
+        self.fuse_device = "/dev/fuse"
+        if owner is not None:
+            self.fuse_device = str(root / "fuse")
+            os.mknod(self.fuse_device, 0o666 | stat.S_IFCHR, os.stat("/dev/fuse").st_rdev)
+            os.chmod(self.fuse_device, 0o666)
         subprocess.run(["mount", "--bind", str(self.share), str(self.share)], check=True)
         subprocess.run(["mount", "--make-shared", str(self.share)], check=True)
         # podman's OCI hooks: only this test's kvfs-unmount hook (deploy/podman), pointing at the checkout
@@ -72,9 +82,10 @@ class Host:
                 "-v", f"{self.l3}:/var/lib/kvfs/l3"]
 
     def start_kvfs(self, name: str, *options: str, hook: bool = True, timeout: float = 60) -> str:
+        """podman run the kvfs image; returns once its mount is seen on the host."""
         hooks = ["--hooks-dir", str(self.hooks)] if hook else []
         podman(*hooks, "run", "-d", "--name", name, "--annotation", f"io.kvfs.mountpoint={self.mountpoint}",
-               "--health-interval", "disable", "--device", "/dev/fuse", "--cap-add", "SYS_ADMIN",
+               "--health-interval", "disable", "--device", f"{self.fuse_device}:/dev/fuse", "--cap-add", "SYS_ADMIN",
                *self.volumes("rshared"), "-v", f"{self.state}:/var/lib/kvfs/state", *options, self.image)
         self.containers.append(name)
         deadline = time.monotonic() + timeout
@@ -86,13 +97,13 @@ class Host:
             time.sleep(0.1)
         return name
 
-    def engine_cmd(self, mode: str, name: str = "kvfs-test-engine") -> list[str]:
-        return ["podman", "run", "--rm", "--name", name, *self.volumes("rslave"),
+    def engine_cmd(self, mode: str, user: str = "root", name: str = "kvfs-test-engine") -> list[str]:
+        return ["podman", "run", "--rm", "--name", name, "--user", user, *self.volumes("rslave"),
                 "-v", f"{REPO / 'tests' / 'deploy_engine.py'}:/engine.py:ro", "-v", f"{KV_DIR}:/kv:ro",
                 self.engine_image, "python", "/engine.py", mode, IN_MOUNTPOINT, "/kv"]
 
-    def engine(self, mode: str, timeout: float = 120) -> dict:
-        r = subprocess.run(self.engine_cmd(mode), capture_output=True, text=True, timeout=timeout)
+    def engine(self, mode: str, user: str = "root", timeout: float = 120) -> dict:
+        r = subprocess.run(self.engine_cmd(mode, user), capture_output=True, text=True, timeout=timeout)
         assert r.returncode == 0, f"engine {mode}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
         return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -220,3 +231,30 @@ def test_kill_without_the_hook_next_container_takes_over(host):
                for w in (f["fuse_written"], f["direct_written"])), report
     podman("stop", "-t", "120", "kvfs-test-4", timeout=180)
     assert not mounted(host.mountpoint)
+
+
+def test_non_root_daemon(tmp_path_factory):
+    """--user kvfs (uid 10001): the daemon mounts through the image's setuid fusermount3 and runs unprivileged.
+    An engine under the same uid reads and writes past FUSE; a root engine reads past FUSE (root may open the
+    daemon's 0600 objects) while its direct writes fall back to the mount (the daemon cannot read a root-owned
+    staged object): slower, never wrong."""
+    if why := deploy_build.missing_tools():
+        pytest.skip(why)
+    h = Host(tmp_path_factory.mktemp("deploy-nonroot"), deploy_build.image(), owner=10001)
+    try:
+        h.start_kvfs("kvfs-test-nonroot", "--user", "kvfs")
+        assert "user_id=10001" in mounted(h.mountpoint)[0]
+        top = podman("top", "kvfs-test-nonroot", "user", "args").stdout
+        assert "kvfs mount" in top and all(line.split()[0] != "root" for line in top.splitlines()[1:]), top
+        for user, writes_past_fuse in (("10001", True), ("root", False)):
+            report = h.engine("roundtrip", user=user)
+            for f in report["files"]:
+                assert f["write_past_fuse"] is writes_past_fuse, (user, f)
+                for written in (f["fuse_written"], f["direct_written"]):
+                    assert written["through_mount_exact"] and written["direct_exact"], (user, f)
+                    assert written["direct_past_fuse"], (user, f)
+        podman("stop", "-t", "120", "kvfs-test-nonroot", timeout=180)
+        assert podman("inspect", "--format", "{{.State.ExitCode}}", "kvfs-test-nonroot").stdout.strip() == "0"
+        assert not mounted(h.mountpoint)
+    finally:
+        h.close()
