@@ -26,7 +26,7 @@ from . import lossy as lossy_modes
 from . import metrics
 from . import format as fmt
 from . import stats as stats_mod
-from .codecs import by_name
+from .codecs import by_name, kernel
 from .frontend import api as fuse
 from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, XA_TTL, HotCold, RequestError
@@ -72,6 +72,13 @@ SETTABLE_DTYPES = ("auto", "none", *fmt.DTYPE_ELEMENT_SIZE)
 READ_THROUGH_MAX = 64 << 20  # stored bytes; larger files from a remote tier are read frame by frame first
 EXPECTED_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO}
 SELF_EXPLAINING_ERRNOS = EXPECTED_ERRNOS - {errno.EIO}  # a failed commit's EIO does not say why: the log does
+# native reads skip the page cache (FOPEN_DIRECT_IO) when 1; 0 keeps it (docs/frontend.md has both measured)
+NATIVE_DIRECT_IO = os.environ.get("KVFS_NATIVE_DIRECT_IO", "0") == "1"
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
+# what the codec kernel's kvfs_read_frames decodes (kvfs/codecs/_object.c): codec -> transforms
+_KERNEL_DECODES = {0: (0,), 4: (0,), 5: (0,), **({1: (0, 1)} if kernel.ZSTD_IN_KERNEL else {})}
+_NATIVE_ERRORS = {-2: "object shorter than its frame table says", -3: "frame payload checksum mismatch",
+                  -4: "frame does not decode", -5: "frame raw checksum mismatch"}
 
 
 def _guard(fn):
@@ -115,6 +122,8 @@ class Handle:
     flags: int
     snapshot: bytes = b""
     read_seen: bool = False  # its first read was counted as a hit of the tier that served it
+    writer: bool = False  # opened for writing (counted in its OpenFile's writers)
+    native: bool = False  # its reads are served by the native front end's C threads (fuse.native)
 
 
 class Operations(fuse.Operations):
@@ -341,6 +350,7 @@ class Operations(fuse.Operations):
         return self._attrs(self._row(inode))
 
     async def _truncate(self, ino: int, row, size: int, commit_now: bool) -> None:
+        self._native_off(ino)
         state = self._acquire(ino, row)
         try:
             await state.truncate(size)
@@ -445,13 +455,109 @@ class Operations(fuse.Operations):
         if row["published_key"] and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             raise _err(errno.EPERM)  # published in the shared L4: immutable for every node
         state = self._acquire(inode, row)
+        writer = bool(flags & _WRITE_FLAGS)
+        if writer:  # from now on every read of the file sees what this handle writes: Python serves them
+            state.writers += 1
+            self._native_off(inode)
         try:
             if flags & os.O_TRUNC:  # even an empty file: open(O_TRUNC) marks mtime and ctime for update
                 await state.truncate(0)
         except BaseException:
+            state.writers -= writer
             await self._release_state(state)
             raise
-        return fuse.FileInfo(fh=self._new_handle(Handle(inode, state, flags)), keep_cache=self._may_keep(inode, row))
+        h = Handle(inode, state, flags, writer=writer)
+        fh = self._new_handle(h)
+        native = not writer and fuse.native is not None and await self._native_open(fh, h)
+        return fuse.FileInfo(fh=fh, keep_cache=self._may_keep(inode, row), direct_io=native and NATIVE_DIRECT_IO)
+
+    async def _native_open(self, fh: int, h: Handle) -> bool:
+        """Hand the handle's reads to the native front end's C threads (kvfs/frontend/_loop.c) when the file is
+        its committed object, lossless, unsealed, in a local tier, and nobody writes it: an fd on the object (the
+        C side owns it; it keeps reading the immutable object across moves and unlinks), and the frame table
+        as verified here. Anything else, or anything unexpected, leaves the reads to OpenFile."""
+        state = h.state
+        ref = state.ref
+        if ref is None or ref.key is not None or state.modified or state.corrupt or state.writers:
+            return False
+        tier = self.store.tiers[ref.tier]
+        path = None if tier.sealed or tier.shared else tier.local_path(ref.object_id)
+        if path is None:
+            return False
+        try:
+            layout = await state._layout_of(ref)  # a corrupt table marks the file: its first read reports it
+        except Exception:  # noqa: BLE001
+            return False
+        header = layout.header
+        if (state.ref is not ref or state.modified or state.writers or state.corrupt or header.sealing is not None
+                or header.lossy_mode or header.raw_size != state.size or len(layout.frames) != header.n_frames
+                or any(not e.is_hole and e.transform not in _KERNEL_DECODES.get(e.codec, ()) for e in layout.frames)):
+            return False
+        pack = fmt.FRAME_ENTRY.pack
+        table = b"".join(pack(e.offset, e.stored_len, e.raw_len, e.codec, e.transform, e.flags, e.stored_xxh3,
+                              e.raw_xxh3) for e in layout.frames)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False  # moved meanwhile: OpenFile finds it
+        try:
+            if os.fstat(fd).st_size != ref.stored_bytes:
+                raise ValueError("object size")
+        except (OSError, ValueError):
+            os.close(fd)
+            return False
+        try:
+            fuse.native.open(fh, h.ino, self.store.order.index(tier), fd, header.raw_size, header.frame_size, table)
+        except ValueError as e:  # the fd is closed
+            log.warning("inode %d: reads stay in Python: %s", h.ino, e)
+            return False
+        h.native = True
+        return True
+
+    def _native_off(self, ino: int) -> None:
+        """The file is being changed: its native handles' reads go to Python (which sees the changes)."""
+        if fuse.native is not None:
+            fuse.native.disable(ino)
+
+    def native_first_read(self, fh: int) -> None:
+        """The first read of a native handle was answered in C: count the hit, queue a due promotion, note the
+        access (atime, LRU, the idle policy's last read), as `read` does at a handle's first read."""
+        h = self.handles.get(fh)
+        if h is None or h.state is None:
+            return
+        self.index.note_access(h.ino)
+        if h.read_seen or h.state.ref is None:
+            return
+        h.read_seen = True
+        if self.shared is not None:
+            row = self.index.get(h.ino)
+            if row is not None and row["published_key"]:
+                self.shared.note_read(row["published_key"])
+        self.mover.note_read(h.ino, h.state.ref.tier)  # a local tier: the mover promotes, in its own time
+
+    @_guard
+    async def native_read_failed(self, fh: int, code: int, frame: int) -> None:
+        """A native read found a frame corrupt: drop the file and answer EIO, as for a read of OpenFile's."""
+        h = self._handle(fh)
+        if h.state is None:
+            raise _err(errno.EIO)
+        raise h.state._mark_corrupt(f"frame {frame}: {_NATIVE_ERRORS.get(code, f'read failed ({code})')}")
+
+    def take_native_counts(self) -> None:
+        """Add what the native front end's reads counted since the last call (stats, metrics)."""
+        if fuse.native is None:
+            return
+        t = fuse.native.take()
+        if t["reads"]:
+            c = self.counters
+            c.read_requests += t["reads"]
+            c.bytes_read += t["bytes"]
+            c.frames_decoded += t["frames"]
+            c.native_reads += t["reads"]
+            c.native_read_bytes += t["bytes"]
+            for tier, n in zip(self.store.order, t["stored"]):
+                self.store.read_bytes[tier.name] += n
+            self.latency.add_reads(t["latency"], t["latency_sum_s"])
 
     def _may_keep(self, inode: int, row) -> bool:
         """Whether the kernel may keep serving the file's cached pages at this open. Not for a file whose object
@@ -472,7 +578,8 @@ class Operations(fuse.Operations):
         self._inherit(parent_inode, ino)
         row = self._row(ino)
         state = self._acquire(ino, row)
-        fh = self._new_handle(Handle(ino, state, flags))
+        state.writers += 1
+        fh = self._new_handle(Handle(ino, state, flags, writer=True))
         self._ref(ino)
         return fuse.FileInfo(fh=fh), self._attrs(row)
 
@@ -537,7 +644,10 @@ class Operations(fuse.Operations):
     @_guard
     async def release(self, fh):
         h = self.handles.pop(fh, None)
+        if h is not None and h.native and fuse.native.close(fh) > 0:
+            self.index.note_access(h.ino)  # the last read's time, for the idle policy
         if h is not None and h.state is not None:
+            h.state.writers -= h.writer
             await self._release_state(h.state)
 
     # -- namespace ---------------------------------------------------------------------------------
@@ -1046,6 +1156,7 @@ class Operations(fuse.Operations):
 
     def stats_doc(self) -> dict:
         """The statistics document (.kvfs/stats, metrics); on the trio thread: the index belongs to it."""
+        self.take_native_counts()
         return stats_mod.document(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
                                   config=self.config, started=self.started, open_files=len(self.open_files),
                                   dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,

@@ -106,6 +106,22 @@ class RequestLatency:
         self.read = self.histogram.labels(op="read")
         self.write = self.histogram.labels(op="write")
 
+    def add_reads(self, per_bucket, total_s: float) -> None:
+        """Reads timed elsewhere (the native front end's, kvfs/frontend/_loop.c), counted per bucket of
+        LATENCY_BUCKETS (the last: above them all) with their total duration."""
+        child = self.read
+        buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+        if buckets is None or total is None or len(buckets) != len(per_bucket):  # another prometheus_client
+            bounds = (*LATENCY_BUCKETS, LATENCY_BUCKETS[-1] * 2)
+            for bound, n in zip(bounds, per_bucket):
+                for _ in range(n):
+                    child.observe(bound)
+            return
+        for bucket, n in zip(buckets, per_bucket):
+            if n:
+                bucket.inc(n)
+        total.inc(total_s)
+
 
 def metric_name(field: str) -> str:
     """A stats field as a metric name with its unit last: bytes_written → written_bytes, uptime_s → uptime_seconds."""

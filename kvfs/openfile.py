@@ -281,6 +281,7 @@ class OpenFile:
         self.cache: OrderedDict[tuple[int, int], bytes | bytearray] = OrderedDict()
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.handles = 0
+        self.writers = 0  # handles open for writing (a file with any is never read by the native front end)
         self.corrupt: str | None = None
         self._eager = 0
 

@@ -29,6 +29,8 @@ class Counters:
     bytes_read: int = 0  # logical bytes returned by read()
     write_requests: int = 0
     read_requests: int = 0
+    native_reads: int = 0  # read requests answered in the native front end's C threads (kvfs/frontend/_loop.c)
+    native_read_bytes: int = 0  # their logical bytes (both also counted in read_requests and bytes_read)
     direct_reads: int = 0  # files whose object a reader opened past FUSE (user.kvfs.object, kvfs.direct)
     direct_bytes: int = 0  # their logical bytes
     direct_writes: int = 0  # files whose object a writer encoded and staged, adopted by the daemon (kvfs.direct)

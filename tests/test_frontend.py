@@ -7,6 +7,7 @@ Every mount here runs `--frontend native`. The whole POSIX suite runs on it with
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import os
 import signal
@@ -206,3 +207,158 @@ def test_exit_under_load(make_mount, how):
     # what was committed is there at the next mount
     m.start("--frontend", "native")
     assert [p for p in os.listdir(m.mountpoint) if p.startswith("load")]
+
+
+# -- native reads: READ of committed objects served in the C threads (kvfs/frontend/_loop.c) ------------------
+def _uncached_pread(path, size: int, off: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.pread(fd, size, off)
+    finally:
+        os.close(fd)
+
+
+def test_native_reads_are_served_in_c(native: KvfsMount):
+    """Reads of a committed file are answered by the C threads: every read request the daemon counted is a
+    native one (the Python read handler counts read_requests but not native_reads), and the first read of each
+    handle still counts a hit."""
+    data = os.urandom(1 << 20) + bytes(1 << 20) + b"kv" * (600_000)  # stored raw, a hole, compressed
+    native.path("f").write_bytes(data)
+    time.sleep(0.2)  # the writer's release (asynchronous) before the reader's open
+    before = native.stats()
+    for off, size in ((0, 1 << 20), (123_457, 70_000), ((1 << 20) - 10, 20), (len(data) - 5, 100),
+                      (len(data), 10), (len(data) + (1 << 40), 10)):
+        assert _uncached_pread(native.path("f"), size, off) == data[off:off + size], (off, size)
+    fd = os.open(native.path("f"), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.read(fd, len(data) + 1) == data
+    finally:
+        os.close(fd)
+    after = native.stats()
+    reads = after["read_requests"] - before["read_requests"]
+    assert reads > 0 and after["native_reads"] - before["native_reads"] == reads
+    assert after["native_read_bytes"] - before["native_read_bytes"] == after["bytes_read"] - before["bytes_read"]
+    assert after["tiers"]["L2"]["hits"] - before["tiers"]["L2"]["hits"] == 5  # reads past the end stay in the kernel
+    assert after["tiers"]["L2"]["read_bytes"] > before["tiers"]["L2"]["read_bytes"]
+    assert after["checksum_failures"] == 0 and native.alive()
+
+
+def test_a_writer_takes_reads_back_to_python(native: KvfsMount):
+    """A handle read natively sees what another handle writes afterwards (its reads go to Python then)."""
+    native.path("f").write_bytes(b"a" * 300_000)
+    time.sleep(0.2)
+    r = os.open(native.path("f"), os.O_RDONLY)
+    try:
+        os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(r, 10, 0) == b"a" * 10
+        w = os.open(native.path("f"), os.O_WRONLY)
+        try:
+            os.pwrite(w, b"bbbb", 100)  # not committed yet: only Python's OpenFile has it
+            os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert os.pread(r, 8, 98) == b"aabbbbaa"
+        finally:
+            os.close(w)
+        os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(r, 8, 98) == b"aabbbbaa"
+    finally:
+        os.close(r)
+    assert _uncached_pread(native.path("f"), 8, 98) == b"aabbbbaa"
+
+
+@pytest.fixture
+def native_object(tmp_path):
+    """An object of 64 KiB frames (stored raw, a hole, zstd, a short last frame) handed to _loop as handle 77,
+    without a mount: native_pread runs the worker's read path."""
+    from kvfs import codecs, format as fmt
+    from kvfs.codecs import kernel, transforms
+
+    if not kernel.ZSTD_IN_KERNEL:
+        pytest.skip("no libzstd: zstd frames are decoded in Python")
+    bridge._set_reader()
+    F = 64 << 10
+    data = os.urandom(F) + bytes(F) + b"0123456789abcdef" * (F // 16) + os.urandom(1000)
+    frames = [fmt.encode_frame(data[i:i + F], codecs.by_name("zstd"), transforms.IDENTITY)
+              for i in range(0, len(data), F)]
+    header = fmt.Header(raw_size=len(data), frame_size=F, n_frames=len(frames))
+    parts, entries = fmt.build_object(header, frames)
+    path = tmp_path / "object"
+    path.write_bytes(b"".join(parts))
+    table = b"".join(fmt.FRAME_ENTRY.pack(*dataclasses.astuple(e)) for e in entries)
+
+    def register(fh: int = 77) -> None:
+        _loop.native_open(fh, 5, 0, os.open(path, os.O_RDONLY), len(data), F, table)
+
+    register()
+    yield data, path, entries, register
+    _loop.native_close(77)
+    _loop.native_take()
+
+
+def test_native_hostile_reads(native_object):
+    data, _, _, _ = native_object
+    _loop.native_take()
+    assert _loop.native_pread(424242, 0, 10) is None  # unknown handle: Python's (EBADF there)
+    assert _loop.native_pread(77, -1, 10) is None  # a negative offset: Python's
+    assert _loop.native_pread(77, len(data), 10) == b""
+    assert _loop.native_pread(77, 1 << 62, 1 << 30) == b""
+    assert _loop.native_pread(77, 0, 0) == b""
+    assert _loop.native_pread(77, 5, 1 << 40) == data[5:]  # a huge size: what there is
+    assert _loop.native_pread(77, 0, len(data)) == data
+    F = 64 << 10
+    assert _loop.native_pread(77, 2 * F + 100, 4096) == data[2 * F + 100:2 * F + 4196]  # a part: decoded, kept
+    assert _loop.native_pread(77, 2 * F + 8192, 4096) == data[2 * F + 8192:2 * F + 12288]  # the kept frame
+    t = _loop.native_take()
+    assert t["reads"] == 7 and t["cache_hits"] == 1 and t["corrupt"] == 0 and t["fallbacks"] == 0
+    assert sum(t["latency"]) == 7 and t["handles"] == 1
+    with pytest.raises(ValueError):  # a table that does not match the sizes: refused, the fd closed
+        _loop.native_open(78, 5, 0, os.open("/dev/null", os.O_RDONLY), len(data), F, b"x" * 36)
+    assert _loop.native_close(78) == -1 and _loop.native_close(424242) == -1
+
+
+def test_native_release_while_reads_run(native_object):
+    """native_close (a RELEASE) while threads read the handle: each read holds a reference; nothing crashes,
+    every answer is right or None (gone), and the handle is freed after the last read."""
+    data, _, _, register = native_object
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                off = (i * 7919 * k) % len(data)
+                got = _loop.native_pread(77, off, 100_000)
+                assert got is None or got == data[off:off + 100_000]
+                i += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        assert _loop.native_close(77) >= 0
+        register()
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+
+def test_native_corrupt_frame(native_object):
+    """A frame that fails its checksum is never answered: the error goes to Python, and the handle's later
+    reads too (they find the file marked corrupt)."""
+    data, path, entries, register = native_object
+    victim = entries[2]
+    with open(path, "r+b") as f:
+        f.seek(victim.offset + 10)
+        b = f.read(1)
+        f.seek(victim.offset + 10)
+        f.write(bytes([b[0] ^ 0x40]))
+    assert _loop.native_pread(77, 0, 4096) == data[:4096]  # frame 0 is intact
+    assert _loop.native_pread(77, 2 * (64 << 10), 10) == -3  # KVF_ERR_PAYLOAD
+    assert _loop.native_pread(77, 0, 4096) is None  # Python's from now on
+    assert _loop.native_take()["corrupt"] == 1

@@ -44,6 +44,9 @@ Usage (as root, FUSE available):
     # (with --mb 1000: the daemon's CPU is read in 10 ms ticks):
     .venv/bin/python tools/bench_datapath.py --baseline /tmp/kvfs-base --only "direct write,batched,base d,base b"
     .venv/bin/python tools/bench_datapath.py --py-spy DIR       # + a py-spy profile of the daemon per kvfs arm
+    # the native front end (fuse arms) against pyfuse3 (base arms), one checkout, one run:
+    .venv/bin/python tools/bench_datapath.py --baseline . --daemon-env KVFS_FRONTEND=native \
+        --base-env KVFS_FRONTEND=pyfuse3 --only "fuse,base write,base read,plain"
 Outputs: bench-results/datapath.json and bench-results/datapath.png (--out, --plot to change).
 """
 
@@ -241,6 +244,8 @@ class Run:
             env = dict(os.environ)
             os.environ["PYTHONPATH"] = root  # the daemon imports kvfs from this checkout
             os.environ.update(kv.split("=", 1) for kv in self.args.daemon_env)
+            if target == "base":  # e.g. this checkout as its own baseline, on the other front end
+                os.environ.update(kv.split("=", 1) for kv in self.args.base_env)
             try:
                 m.start()
             finally:
@@ -527,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs for L2 and the plain arms")
     p.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the daemons (repeatable), e.g. KVFS_KEEP_WRITTEN_PAGES=0")
+    p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment of the --baseline daemon only, after --daemon-env (e.g. --baseline . "
+                        "--base-env KVFS_FRONTEND=pyfuse3: both front ends side by side in one run)")
     p.add_argument("--py-spy", type=Path, metavar="DIR", help="record a py-spy profile of the daemon per kvfs arm")
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / "datapath.json")
     p.add_argument("--plot", type=Path, default=REPO / "bench-results" / "datapath.png")

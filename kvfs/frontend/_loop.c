@@ -33,7 +33,9 @@ enum {
     OP_INIT = 1, OP_LOOKUP, OP_FORGET, OP_GETATTR, OP_SETATTR, OP_READLINK, OP_MKNOD, OP_MKDIR, OP_UNLINK,
     OP_RMDIR, OP_SYMLINK, OP_RENAME, OP_LINK, OP_OPEN, OP_READ, OP_WRITE, OP_FLUSH, OP_RELEASE, OP_FSYNC,
     OP_OPENDIR, OP_READDIRPLUS, OP_RELEASEDIR, OP_FSYNCDIR, OP_STATFS, OP_SETXATTR, OP_GETXATTR, OP_LISTXATTR,
-    OP_REMOVEXATTR, OP_CREATE, OP_ENDED
+    OP_REMOVEXATTR, OP_CREATE, OP_ENDED,
+    OP_NATIVE_FIRST,                  /* the first read of a native handle (no answer): hits, promotion, atime */
+    OP_READ_CORRUPT                   /* a native read found a frame corrupt: Python drops the file, answers EIO */
 };
 
 /* one received request, owned by the queue, then by its Request object */
@@ -138,6 +140,303 @@ static void submit(struct kreq *k, fuse_req_t req) {
         return;
     }
     enqueue(k);
+}
+
+/* ---- native reads of committed objects: served in the worker thread, no GIL, no trio round trip ------------
+ *
+ * At open, Python (kvfs/fs.py) hands over a committed, unsealed, lossless object of a local tier that nobody
+ * writes: an fd opened on it (owned here until the last reference goes: an fd keeps reading the immutable object
+ * across the mover's moves and unlinks), its raw size, frame size and frame table as stored (already verified by
+ * Python: header and table checksums, every entry's bounds). A READ on that handle is answered here: the frames
+ * covering [off, off+size) go through kvfs_read_frames (the codec kernel's, kvfs/codecs/_object.c: pread, the
+ * payload checksum, decode, the raw checksum), and the reply is written from the decoded bytes.
+ *
+ * - A frame that fails a check is never served: the request goes to Python as OP_READ_CORRUPT (it marks the file
+ *   corrupt, drops and quarantines it, answers EIO, as for a read of its own), and the handle's later reads go to
+ *   Python too. An I/O error, a frame the kernel does not decode, or no memory: the request goes to Python as an
+ *   ordinary READ (its own read path decides).
+ * - Python still learns what it keeps: the first read of each handle is queued as OP_NATIVE_FIRST (hits per tier,
+ *   read-triggered promotion, atime and the idle policy's last read); requests, bytes, frames, stored bytes per
+ *   tier and a latency histogram are counted here and taken by `native_take` (the stats and the metrics).
+ * - Bounded: the worker threads (max_threads), one decode buffer per thread (the frames of one request: at most
+ *   MAX_SPAN bytes, else Python serves it) freed when the thread exits, and per handle the one frame last decoded
+ *   for a read that wanted part of it (kept for the next part).
+ * - A handle is found by its fh in a hash table; each read holds a reference, so a release (native_close) while a
+ *   read runs frees the handle only after that read.
+ */
+typedef int (*read_frames_fn)(int fd, const uint8_t *table, size_t count, uint8_t *dst, size_t dst_len,
+                              int64_t *at);
+static read_frames_fn read_frames;   /* kvfs_read_frames of the loaded codec kernel (set_reader) */
+
+enum { NR_DONE = 0, NR_PYTHON = 1, NR_CORRUPT = 2 };
+enum { KVF_ERR_IO = -1, KVF_ERR_SHORT = -2, KVF_ERR_PAYLOAD = -3, KVF_ERR_DECODE = -4, KVF_ERR_RAW = -5,
+       KVF_UNSUPPORTED = -6, KVF_ERR_NOMEM = -7, KVF_ERR_ARGS = -8 };
+#define ENTRY_SIZE 36                 /* format.FRAME_ENTRY "<QIIBBHQQ" */
+#define NH_BUCKETS 1024
+#define MAX_TIERS 16
+#define MAX_LAT 32
+#define MAX_SPAN ((size_t)64 << 20)   /* decoded bytes one request may need (frames <= 16 MiB, reads <= 1 MiB) */
+
+struct nh {
+    struct nh *next;                  /* hash chain, under NT.lock */
+    uint64_t fh, ino;
+    int fd, tier;
+    uint64_t raw_size;
+    uint32_t frame_size, n_frames;
+    uint8_t *table;                   /* n_frames entries as stored */
+    int refs;                         /* atomic: the table's, and each read's */
+    int disabled;                     /* atomic: reads go to Python (a writer opened the file, or corruption) */
+    int first_done;                   /* atomic: OP_NATIVE_FIRST was queued */
+    uint64_t bytes;                   /* atomic: logical bytes answered */
+    pthread_mutex_t cache_lock;
+    uint8_t *cache;                   /* the frame last decoded for a partial read, or NULL */
+    size_t cache_cap;
+    int64_t cache_frame;              /* -1: none */
+};
+
+static struct {
+    pthread_mutex_t lock;
+    struct nh *buckets[NH_BUCKETS];
+    size_t count;
+} NT = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static struct {                       /* atomic adds; native_take reads and clears them */
+    uint64_t reads, bytes, frames, cache_hits, fallbacks, corrupt;
+    uint64_t stored[MAX_TIERS];
+    uint64_t lat[MAX_LAT + 1];
+    uint64_t lat_sum_ns;
+} NC;
+static uint64_t lat_bounds_ns[MAX_LAT];
+static int n_lat;
+
+#define ADD(field, v) __atomic_fetch_add(&(field), (v), __ATOMIC_RELAXED)
+#define TAKE(field) __atomic_exchange_n(&(field), 0, __ATOMIC_RELAXED)
+
+static void nh_put(struct nh *h) {
+    if (__atomic_sub_fetch(&h->refs, 1, __ATOMIC_ACQ_REL) != 0)
+        return;
+    close(h->fd);
+    free(h->table);
+    free(h->cache);
+    pthread_mutex_destroy(&h->cache_lock);
+    free(h);
+}
+
+static struct nh *nh_get(uint64_t fh) {
+    pthread_mutex_lock(&NT.lock);
+    struct nh *h = NT.buckets[fh % NH_BUCKETS];
+    while (h && h->fh != fh)
+        h = h->next;
+    if (h)
+        __atomic_add_fetch(&h->refs, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_unlock(&NT.lock);
+    return h;
+}
+
+/* removed from the table (its reads in progress keep it until they end); NULL when unknown */
+static struct nh *nh_unlink(uint64_t fh) {
+    pthread_mutex_lock(&NT.lock);
+    struct nh **p = &NT.buckets[fh % NH_BUCKETS];
+    while (*p && (*p)->fh != fh)
+        p = &(*p)->next;
+    struct nh *h = *p;
+    if (h) {
+        *p = h->next;
+        NT.count--;
+    }
+    pthread_mutex_unlock(&NT.lock);
+    return h;
+}
+
+/* this thread's decode buffer: freed when the thread exits (libfuse's idle workers do) */
+struct tbuf { uint8_t *p; size_t cap; };
+static pthread_key_t tbuf_key;
+static pthread_once_t tbuf_once = PTHREAD_ONCE_INIT;
+static void tbuf_free(void *v) {
+    struct tbuf *b = v;
+    free(b->p);
+    free(b);
+}
+static void tbuf_init(void) { pthread_key_create(&tbuf_key, tbuf_free); }
+
+static struct tbuf *tbuf_get(size_t need) {
+    pthread_once(&tbuf_once, tbuf_init);
+    struct tbuf *b = pthread_getspecific(tbuf_key);
+    if (b == NULL) {
+        b = calloc(1, sizeof(*b));
+        if (b == NULL || pthread_setspecific(tbuf_key, b) != 0) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (b->cap < need) {
+        free(b->p);
+        b->p = malloc(need);
+        b->cap = b->p ? need : 0;
+        if (b->p == NULL)
+            return NULL;
+    }
+    return b;
+}
+
+static uint32_t entry_u32(const uint8_t *e, int at) {
+    uint32_t v;
+    memcpy(&v, e + at, 4);
+    return v;
+}
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+static void count_read(struct nh *h, size_t n, uint64_t stored, uint32_t frames, uint64_t t0) {
+    ADD(NC.reads, 1);
+    ADD(NC.bytes, n);
+    ADD(NC.frames, frames);
+    if (stored && h->tier >= 0 && h->tier < MAX_TIERS)
+        ADD(NC.stored[h->tier], stored);
+    __atomic_fetch_add(&h->bytes, n, __ATOMIC_RELAXED);
+    uint64_t dt = now_ns() - t0;
+    int b = 0;
+    while (b < n_lat && dt > lat_bounds_ns[b])
+        b++;
+    ADD(NC.lat[b], 1);
+    ADD(NC.lat_sum_ns, dt);
+}
+
+/* where a native read's bytes go: the FUSE reply, or (native_pread, tests) a buffer */
+typedef struct { fuse_req_t req; uint8_t *out; size_t out_len; } sink_t;
+
+static void sink_write(sink_t *s, const uint8_t *data, size_t len) {
+    if (s->req) {
+        fuse_reply_buf(s->req, (const char *)data, len);
+    } else if (s->out) {
+        if (len)
+            memcpy(s->out, data, len);
+        s->out_len = len;
+    }
+}
+
+/* Serve [off, off+size) of handle h into s: NR_DONE (answered), NR_PYTHON (not answered: Python reads it) or
+ * NR_CORRUPT (not answered; *code and *frame say what failed). */
+static int native_serve(struct nh *h, size_t size, int64_t off, sink_t *s, int *code, int64_t *frame) {
+    uint64_t t0 = now_ns();
+    if (__atomic_load_n(&h->disabled, __ATOMIC_ACQUIRE) || off < 0 || read_frames == NULL)
+        return NR_PYTHON;
+    uint64_t start = (uint64_t)off;
+    if (start >= h->raw_size || size == 0) {   /* at or past the end: no bytes, as the Python path answers */
+        count_read(h, 0, 0, 0, t0);
+        sink_write(s, NULL, 0);
+        return NR_DONE;
+    }
+    uint64_t end = size > h->raw_size - start ? h->raw_size : start + size;
+    uint64_t F = h->frame_size;
+    uint64_t first = start / F, last = (end - 1) / F;
+    if (last >= h->n_frames)
+        return NR_PYTHON;   /* unreachable: Python checked the table against the raw size */
+    uint64_t base = first * F;
+    uint64_t span = (last + 1) * F < h->raw_size ? (last + 1) * F - base : h->raw_size - base;
+    if (span > MAX_SPAN)
+        return NR_PYTHON;
+    int partial = first == last && (start != base || end != base + span);
+    if (partial) {   /* the rest of a frame decoded for an earlier part of it? */
+        pthread_mutex_lock(&h->cache_lock);
+        if (h->cache_frame == (int64_t)first) {
+            ADD(NC.cache_hits, 1);
+            count_read(h, (size_t)(end - start), 0, 0, t0);
+            sink_write(s, h->cache + (start - base), (size_t)(end - start));
+            pthread_mutex_unlock(&h->cache_lock);
+            return NR_DONE;
+        }
+        pthread_mutex_unlock(&h->cache_lock);
+    }
+    struct tbuf *b = tbuf_get((size_t)(partial ? F : span));
+    if (b == NULL) {
+        ADD(NC.fallbacks, 1);
+        return NR_PYTHON;
+    }
+    int64_t at = 0;
+    uint32_t count = (uint32_t)(last - first + 1);
+    const uint8_t *entries = h->table + first * ENTRY_SIZE;
+    int rc = read_frames(h->fd, entries, count, b->p, (size_t)span, &at);
+    if (rc != 0) {
+        if (rc == KVF_ERR_SHORT || rc == KVF_ERR_PAYLOAD || rc == KVF_ERR_DECODE || rc == KVF_ERR_RAW) {
+            __atomic_store_n(&h->disabled, 1, __ATOMIC_RELEASE);
+            ADD(NC.corrupt, 1);
+            *code = rc;
+            *frame = (int64_t)first + at;
+            return NR_CORRUPT;
+        }
+        ADD(NC.fallbacks, 1);   /* I/O error, a codec the kernel does not decode, no memory */
+        return NR_PYTHON;
+    }
+    uint64_t stored = 0;
+    for (uint32_t i = 0; i < count; i++)
+        if (!(entries[i * ENTRY_SIZE + 18] & 1))   /* not a hole */
+            stored += entry_u32(entries + i * ENTRY_SIZE, 8);
+    /* counted before the answer: a reader that reads .kvfs/stats next finds this read in it */
+    count_read(h, (size_t)(end - start), stored, count, t0);
+    sink_write(s, b->p + (start - base), (size_t)(end - start));
+    if (partial) {   /* keep the decoded frame for the next part: this thread takes the old one's buffer */
+        pthread_mutex_lock(&h->cache_lock);
+        uint8_t *old = h->cache;
+        size_t old_cap = h->cache_cap;
+        h->cache = b->p;
+        h->cache_cap = b->cap;
+        h->cache_frame = (int64_t)first;
+        pthread_mutex_unlock(&h->cache_lock);
+        b->p = old;
+        b->cap = old ? old_cap : 0;
+    }
+    return NR_DONE;
+}
+
+/* a READ in a libfuse worker: NR_DONE when answered here */
+static int native_read(fuse_req_t req, uint64_t fh, size_t size, off_t off, int *code, int64_t *frame) {
+    if (NT.count == 0)   /* racy read: at worst one request more goes to Python */
+        return NR_PYTHON;
+    struct nh *h = nh_get(fh);
+    if (h == NULL)
+        return NR_PYTHON;
+    int res = NR_PYTHON;
+    if (!__atomic_load_n(&h->disabled, __ATOMIC_ACQUIRE)) {
+        if (!__atomic_exchange_n(&h->first_done, 1, __ATOMIC_ACQ_REL)) {
+            /* queued before the answer: a request the reader sends after it is fetched after this */
+            struct kreq *k = kreq_new(OP_NATIVE_FIRST, NULL, NULL, NULL, NULL, 0);
+            if (k) {
+                k->fh = fh;
+                k->has_fh = 1;
+                k->ino = h->ino;
+                enqueue(k);
+            }
+        }
+        sink_t s = {.req = req};
+        res = native_serve(h, size, off, &s, code, frame);
+    }
+    nh_put(h);
+    return res;
+}
+
+static void native_close_all(void) {
+    pthread_mutex_lock(&NT.lock);
+    struct nh *all = NULL;
+    for (int i = 0; i < NH_BUCKETS; i++) {
+        while (NT.buckets[i]) {
+            struct nh *h = NT.buckets[i];
+            NT.buckets[i] = h->next;
+            h->next = all;
+            all = h;
+        }
+    }
+    NT.count = 0;
+    pthread_mutex_unlock(&NT.lock);
+    while (all) {
+        struct nh *next = all->next;
+        nh_put(all);
+        all = next;
+    }
 }
 
 #define FI(k, fi) do { if (fi) { (k)->fh = (fi)->fh; (k)->has_fh = 1; (k)->flags = (fi)->flags; } } while (0)
@@ -259,8 +558,22 @@ static void ll_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
 }
 
 static void ll_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
-    struct kreq *k = kreq_new(OP_READ, req, NULL, NULL, NULL, 0);
-    if (k) { k->ino = ino; FI(k, fi); k->size = size; k->off = off; }
+    int64_t frame = 0;
+    int code = 0;
+    int served = native_read(req, fi->fh, size, off, &code, &frame);
+    if (served == NR_DONE)
+        return;
+    struct kreq *k = kreq_new(served == NR_CORRUPT ? OP_READ_CORRUPT : OP_READ, req, NULL, NULL, NULL, 0);
+    if (k) {
+        k->ino = ino;
+        FI(k, fi);
+        k->size = size;
+        k->off = off;
+        if (served == NR_CORRUPT) {
+            k->mode = (uint32_t)-code;   /* kvfs_read_frames' error, negated */
+            k->ino2 = (uint64_t)frame;
+        }
+    }
     submit(k, req);
 }
 
@@ -911,6 +1224,7 @@ static PyObject *m_close(PyObject *self, PyObject *args) {
         free(k);
         k = next;
     }
+    native_close_all();   /* no worker is left to read: every fd goes */
     Py_RETURN_NONE;
 }
 
@@ -992,6 +1306,171 @@ static PyObject *m_add_direntry_plus(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(pos + (Py_ssize_t)need);
 }
 
+
+/* ---- native reads: what Python calls (GIL held; nothing here waits for a worker) --------------------------- */
+
+/* set_reader(address of kvfs_read_frames, latency bucket bounds in seconds) */
+static PyObject *m_set_reader(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    PyObject *bounds;
+    if (!PyArg_ParseTuple(args, "KO!", &addr, &PyTuple_Type, &bounds))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(bounds);
+    if (n > MAX_LAT) {
+        PyErr_SetString(PyExc_ValueError, "too many latency buckets");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, i));
+        if (v == -1.0 && PyErr_Occurred())
+            return NULL;
+        lat_bounds_ns[i] = v <= 0 ? 0 : (uint64_t)(v * 1e9);
+    }
+    n_lat = (int)n;
+    read_frames = (read_frames_fn)(uintptr_t)addr;
+    Py_RETURN_NONE;
+}
+
+/* native_open(fh, ino, tier, fd, raw_size, frame_size, table): fd is this module's from now on, even on error */
+static PyObject *m_native_open(PyObject *self, PyObject *args) {
+    unsigned long long fh, ino, raw_size;
+    int tier, fd;
+    unsigned int frame_size;
+    Py_buffer table;
+    if (!PyArg_ParseTuple(args, "KKiiKIy*", &fh, &ino, &tier, &fd, &raw_size, &frame_size, &table))
+        return NULL;
+    const char *why = NULL;
+    uint64_t n = frame_size ? (raw_size + frame_size - 1) / frame_size : 0;
+    if (read_frames == NULL)
+        why = "no frame reader (set_reader)";
+    else if (frame_size == 0 || n > UINT32_MAX || (uint64_t)table.len != n * ENTRY_SIZE)
+        why = "the frame table does not match the sizes";
+    struct nh *h = why ? NULL : calloc(1, sizeof(*h));
+    uint8_t *copy = h ? malloc(table.len ? (size_t)table.len : 1) : NULL;
+    if (why == NULL && (h == NULL || copy == NULL))
+        why = "no memory";
+    if (why) {
+        PyBuffer_Release(&table);
+        free(h);
+        free(copy);
+        close(fd);
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    memcpy(copy, table.buf, (size_t)table.len);
+    PyBuffer_Release(&table);
+    h->fh = fh;
+    h->ino = ino;
+    h->tier = tier;
+    h->fd = fd;
+    h->raw_size = raw_size;
+    h->frame_size = frame_size;
+    h->n_frames = (uint32_t)n;
+    h->table = copy;
+    h->refs = 1;
+    h->cache_frame = -1;
+    pthread_mutex_init(&h->cache_lock, NULL);
+    struct nh *old = nh_unlink(fh);   /* an fh is never given out twice; should one be, the new one wins */
+    if (old)
+        nh_put(old);
+    pthread_mutex_lock(&NT.lock);
+    h->next = NT.buckets[fh % NH_BUCKETS];
+    NT.buckets[fh % NH_BUCKETS] = h;
+    NT.count++;
+    pthread_mutex_unlock(&NT.lock);
+    Py_RETURN_NONE;
+}
+
+/* native_close(fh) -> logical bytes its reads answered, or -1 for a handle not known here */
+static PyObject *m_native_close(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    if (!PyArg_ParseTuple(args, "K", &fh))
+        return NULL;
+    struct nh *h = nh_unlink(fh);
+    if (h == NULL)
+        return PyLong_FromLong(-1);
+    unsigned long long bytes = __atomic_load_n(&h->bytes, __ATOMIC_RELAXED);
+    nh_put(h);   /* freed now, or by the last read in progress */
+    return PyLong_FromUnsignedLongLong(bytes);
+}
+
+/* native_disable(ino) -> handles of the inode whose reads go to Python from now on (a writer opened it) */
+static PyObject *m_native_disable(PyObject *self, PyObject *args) {
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    long n = 0;
+    pthread_mutex_lock(&NT.lock);
+    for (int i = 0; i < NH_BUCKETS && NT.count; i++)
+        for (struct nh *h = NT.buckets[i]; h; h = h->next)
+            if (h->ino == ino && !__atomic_exchange_n(&h->disabled, 1, __ATOMIC_ACQ_REL))
+                n++;
+    pthread_mutex_unlock(&NT.lock);
+    return PyLong_FromLong(n);
+}
+
+/* native_take() -> the counters since the last call: {reads, bytes, frames, cache_hits, fallbacks, corrupt,
+ * stored: (per tier), latency: (per bucket, the last +Inf), latency_sum_s, handles} */
+static PyObject *m_native_take(PyObject *self, PyObject *unused) {
+    PyObject *stored = PyTuple_New(MAX_TIERS), *lat = PyTuple_New(n_lat + 1);
+    if (stored == NULL || lat == NULL) {
+        Py_XDECREF(stored);
+        Py_XDECREF(lat);
+        return NULL;
+    }
+    for (int i = 0; i < MAX_TIERS; i++)
+        PyTuple_SET_ITEM(stored, i, PyLong_FromUnsignedLongLong(TAKE(NC.stored[i])));
+    for (int i = 0; i <= n_lat; i++)
+        PyTuple_SET_ITEM(lat, i, PyLong_FromUnsignedLongLong(TAKE(NC.lat[i])));
+    unsigned long long reads = TAKE(NC.reads), bytes = TAKE(NC.bytes), frames = TAKE(NC.frames);
+    unsigned long long hits = TAKE(NC.cache_hits), fb = TAKE(NC.fallbacks), bad = TAKE(NC.corrupt);
+    double sum = (double)TAKE(NC.lat_sum_ns) / 1e9;
+    return Py_BuildValue("{sKsKsKsKsKsKsNsNsdsn}", "reads", reads, "bytes", bytes, "frames", frames,
+                         "cache_hits", hits, "fallbacks", fb, "corrupt", bad, "stored", stored, "latency", lat,
+                         "latency_sum_s", sum, "handles", (Py_ssize_t)NT.count);
+}
+
+/* native_pread(fh, off, size) -> the bytes as a READ would be answered natively; None when Python would serve
+ * it; a negative kvfs_read_frames error when a frame is corrupt. The GIL is released: tests race it with
+ * native_close. */
+static PyObject *m_native_pread(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    long long off;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "KLn", &fh, &off, &size))
+        return NULL;
+    if (size < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative size");
+        return NULL;
+    }
+    int res = NR_PYTHON, code = 0;
+    int64_t frame = 0;
+    sink_t s = {0};
+    Py_BEGIN_ALLOW_THREADS
+    struct nh *h = nh_get(fh);
+    if (h) {
+        uint64_t want = (uint64_t)size;
+        if (off >= 0 && (uint64_t)off < h->raw_size && want > h->raw_size - (uint64_t)off)
+            want = h->raw_size - (uint64_t)off;
+        if (off >= 0 && (uint64_t)off >= h->raw_size)
+            want = 0;
+        s.out = malloc(want ? (size_t)want : 1);
+        if (s.out)
+            res = native_serve(h, (size_t)size, off, &s, &code, &frame);
+        nh_put(h);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *r;
+    if (res == NR_DONE)
+        r = PyBytes_FromStringAndSize((const char *)s.out, (Py_ssize_t)s.out_len);
+    else if (res == NR_CORRUPT)
+        r = PyLong_FromLong(code);
+    else
+        r = Py_NewRef(Py_None);
+    free(s.out);
+    return r;
+}
+
 static PyObject *m_running(PyObject *self, PyObject *unused) { return PyBool_FromLong(S.running); }
 
 static PyMethodDef module_methods[] = {
@@ -1008,6 +1487,13 @@ static PyMethodDef module_methods[] = {
     {"invalidate_inode", m_invalidate_inode, METH_VARARGS, NULL},
     {"notify_store", m_notify_store, METH_VARARGS, NULL},
     {"add_direntry_plus", m_add_direntry_plus, METH_VARARGS, NULL},
+    {"set_reader", m_set_reader, METH_VARARGS, "set_reader(address of kvfs_read_frames, latency bounds (s))"},
+    {"native_open", m_native_open, METH_VARARGS,
+     "native_open(fh, ino, tier, fd, raw_size, frame_size, table): READs of fh are served in C from now on"},
+    {"native_close", m_native_close, METH_VARARGS, "native_close(fh) -> bytes its reads answered, -1: unknown"},
+    {"native_disable", m_native_disable, METH_VARARGS, "native_disable(ino): its handles' reads go to Python"},
+    {"native_take", m_native_take, METH_NOARGS, "the native read counters since the last call"},
+    {"native_pread", m_native_pread, METH_VARARGS, "native_pread(fh, off, size): a native read, for tests"},
     {NULL}
 };
 
@@ -1028,6 +1514,7 @@ PyMODINIT_FUNC PyInit__loop(void) {
     OPC(OP_OPEN); OPC(OP_READ); OPC(OP_WRITE); OPC(OP_FLUSH); OPC(OP_RELEASE); OPC(OP_FSYNC); OPC(OP_OPENDIR);
     OPC(OP_READDIRPLUS); OPC(OP_RELEASEDIR); OPC(OP_FSYNCDIR); OPC(OP_STATFS); OPC(OP_SETXATTR);
     OPC(OP_GETXATTR); OPC(OP_LISTXATTR); OPC(OP_REMOVEXATTR); OPC(OP_CREATE); OPC(OP_ENDED);
+    OPC(OP_NATIVE_FIRST); OPC(OP_READ_CORRUPT);
     OPC(FUSE_SET_ATTR_MODE); OPC(FUSE_SET_ATTR_UID); OPC(FUSE_SET_ATTR_GID); OPC(FUSE_SET_ATTR_SIZE);
     OPC(FUSE_SET_ATTR_ATIME); OPC(FUSE_SET_ATTR_MTIME); OPC(FUSE_SET_ATTR_ATIME_NOW);
     OPC(FUSE_SET_ATTR_MTIME_NOW); OPC(FUSE_SET_ATTR_CTIME);

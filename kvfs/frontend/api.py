@@ -27,12 +27,13 @@ default_options = _types.default_options
 Operations = _pyfuse3.Operations if _pyfuse3 is not None else _types.Operations
 
 name = ""  # the front end the names below belong to
+native = None
 
 
 def use(frontend: str) -> None:
     """Bind the request-time names to one front end (before the mount)."""
     global name, EntryAttributes, FileInfo, StatvfsData, RequestContext, SetattrFields, readdir_reply
-    global invalidate_entry, invalidate_inode, notify_store, init, main, terminate, close
+    global invalidate_entry, invalidate_inode, notify_store, init, main, terminate, close, native
     if frontend == "native":
         from . import bridge as m
         types = _types
@@ -46,6 +47,8 @@ def use(frontend: str) -> None:
     RequestContext, SetattrFields = types.RequestContext, types.SetattrFields
     readdir_reply, invalidate_entry, invalidate_inode = m.readdir_reply, m.invalidate_entry, m.invalidate_inode
     notify_store, init, main, terminate, close = m.notify_store, m.init, m.main, m.terminate, m.close
+    # native reads (kvfs/frontend/_loop.c): READ of committed objects served in C threads; None: every read in Python
+    native = m.NativeReads if frontend == "native" and m.NATIVE_READS else None
     name = frontend
 
 

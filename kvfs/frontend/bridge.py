@@ -22,9 +22,11 @@ from .types import (FUSEError, EntryAttributes, ReaddirToken, RequestContext, Se
 
 log = logging.getLogger("kvfs.frontend")
 
-MAX_THREADS = int(os.environ.get("KVFS_FUSE_THREADS", "8"))  # libfuse workers (they only queue: few are busy)
+MAX_THREADS = int(os.environ.get("KVFS_FUSE_THREADS", "8"))  # libfuse workers (they queue, or serve native reads)
 END_GRACE_S = 2.0  # at the loop's end, for the requests in progress
 CLONE_FD = os.environ.get("KVFS_FUSE_CLONE_FD", "1") != "0"
+# READ of committed objects in local tiers served in the C threads (kvfs/fs.py decides per open file)
+NATIVE_READS = os.environ.get("KVFS_NATIVE_READS", "1") != "0"
 
 _ops = None
 _mounted = False
@@ -39,6 +41,18 @@ def init(ops, mountpoint: str, options) -> None:
                 acl=bool(getattr(ops, "enable_acl", False)))
     _ops = ops
     _mounted = True
+    if NATIVE_READS:
+        _set_reader()
+
+
+def _set_reader() -> None:
+    """Hand the C loop the codec kernel's kvfs_read_frames (kvfs/codecs/_object.c): the library loaded once,
+    with its libzstd handed over (kernel.py), is the one that decodes, in Python's readers and in the C loop's."""
+    import ctypes
+
+    from ..codecs import kernel
+    from ..metrics import LATENCY_BUCKETS
+    _loop.set_reader(ctypes.cast(kernel.lib.kvfs_read_frames, ctypes.c_void_p).value, tuple(LATENCY_BUCKETS))
 
 
 def terminate() -> None:
@@ -73,6 +87,11 @@ async def main(max_threads: int = MAX_THREADS, clone_fd: bool = CLONE_FD) -> Non
                             log.info("the FUSE loop ended: %s", os.strerror(-r.off) if r.off < 0 else r.off)
                     elif op == _loop.OP_INIT:
                         _ops.init()
+                    elif op == _loop.OP_NATIVE_FIRST:  # here, in order: what the reader asks next sees it
+                        try:
+                            _ops.native_first_read(r.fh)
+                        except Exception:  # noqa: BLE001 - bookkeeping never ends the mount
+                            log.exception("first native read of handle %d: bookkeeping failed", r.fh)
                     else:
                         nursery.start_soon(dispatch.run, r)
             # requests in progress get a moment to answer; then they are cancelled (answered EINTR), as
@@ -108,7 +127,7 @@ class Dispatch:
             L.OP_OPENDIR: self.opendir, L.OP_READDIRPLUS: self.readdirplus, L.OP_RELEASEDIR: self.releasedir,
             L.OP_FSYNCDIR: self.fsyncdir, L.OP_STATFS: self.statfs, L.OP_SETXATTR: self.setxattr,
             L.OP_GETXATTR: self.getxattr, L.OP_LISTXATTR: self.listxattr, L.OP_REMOVEXATTR: self.removexattr,
-            L.OP_CREATE: self.create,
+            L.OP_CREATE: self.create, L.OP_READ_CORRUPT: self.read_corrupt,
         }
 
     async def run(self, r) -> None:
@@ -228,6 +247,12 @@ class Dispatch:
             data = memoryview(data)[:r.size]
         _check(r.reply_buf(data), r)
 
+    async def read_corrupt(self, r):
+        """A native read found frame r.ino2 corrupt (kvfs_read_frames' error -r.mode): the Operations drop the
+        file as for a corrupt read of their own; the answer is EIO."""
+        await self._method("native_read_failed")(r.fh, -r.mode, r.ino2)
+        raise FUSEError(errno.EIO)
+
     async def write(self, r):
         # a read-only view of the request's copy of the written bytes: no second copy (openfile keeps it)
         n = await self._method("write")(r.fh, r.off, r.data)
@@ -310,3 +335,13 @@ def invalidate_inode(ino: int, attr_only: bool = False) -> None:
 
 def notify_store(ino: int, offset: int, data) -> None:
     _loop.notify_store(ino, offset, data)
+
+
+class NativeReads:
+    """What kvfs/fs.py calls to have a handle's reads served in the C threads (api.native, None on pyfuse3 or
+    with KVFS_NATIVE_READS=0)."""
+
+    open = staticmethod(_loop.native_open)  # (fh, ino, tier index, fd (handed over), raw size, frame size, table)
+    close = staticmethod(_loop.native_close)  # (fh) -> logical bytes its reads answered, -1: not native
+    disable = staticmethod(_loop.native_disable)  # (ino): its handles' reads go to Python from now on
+    take = staticmethod(_loop.native_take)  # counters since the last call (stats, metrics)
