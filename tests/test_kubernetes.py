@@ -83,6 +83,8 @@ def test_daemonset_and_engine_agree(tmp_path):
     assert cfg.state_dir == Path(d_mounts["/var/lib/kvfs/state"]["mountPath"])
     assert "/var/lib/kvfs/state" not in e_mounts
     assert cfg.allow_other
+    limit = daemon["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and cfg.max_dirty <= (int(limit[:-2]) << 30) // 2, (cfg.max_dirty, limit)
 
     # metrics: the configured port is the container's port and the scraped one
     assert cfg.metrics_port == daemon["ports"][0]["containerPort"] and cfg.metrics_address == "0.0.0.0"

