@@ -468,8 +468,11 @@ class Operations(fuse.Operations):
             raise
         h = Handle(inode, state, flags, writer=writer)
         fh = self._new_handle(h)
-        native = not writer and fuse.native is not None and await self._native_open(fh, h)
-        return fuse.FileInfo(fh=fh, keep_cache=self._may_keep(inode, row), direct_io=native and NATIVE_DIRECT_IO)
+        info = fuse.FileInfo(fh=fh, keep_cache=self._may_keep(inode, row))
+        if not writer and fuse.native is not None and await self._native_open(fh, h):
+            info.direct_io = NATIVE_DIRECT_IO
+            info.noflush = True  # read-only, never modified through it: its FLUSH would do nothing
+        return info
 
     async def _native_open(self, fh: int, h: Handle) -> bool:
         """Hand the handle's reads to the native front end's C threads (kvfs/frontend/_loop.c) when the file is

@@ -827,13 +827,15 @@ static int fill_fi(struct fuse_file_info *fi, RequestObject *r, unsigned long lo
     return 0;
 }
 
+/* reply_open(fh, direct_io, keep_cache, nonseekable, noflush=False) */
 static PyObject *Request_reply_open(RequestObject *r, PyObject *args) {
     unsigned long long fh;
-    int dio, keep, nonseek;
+    int dio, keep, nonseek, noflush = 0;
     struct fuse_file_info fi;
-    if (!PyArg_ParseTuple(args, "Kppp", &fh, &dio, &keep, &nonseek) || begin_reply(r) < 0)
+    if (!PyArg_ParseTuple(args, "Kppp|p", &fh, &dio, &keep, &nonseek, &noflush) || begin_reply(r) < 0)
         return NULL;
     fill_fi(&fi, r, fh, dio, keep, nonseek);
+    fi.noflush = noflush ? 1 : 0;   /* a native read-only handle: its FLUSH would do nothing */
     return result(REPLY(r, fuse_reply_open(req, &fi)));
 }
 

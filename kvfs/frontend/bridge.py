@@ -234,7 +234,8 @@ class Dispatch:
     # -- files -------------------------------------------------------------------------------------------
     async def open(self, r):
         fi = await self._method("open")(r.ino, r.flags, _ctx(r))
-        _check(r.reply_open(fi.fh, bool(fi.direct_io), bool(fi.keep_cache), bool(fi.nonseekable)), r)
+        _check(r.reply_open(fi.fh, bool(fi.direct_io), bool(fi.keep_cache), bool(fi.nonseekable),
+                            bool(getattr(fi, "noflush", False))), r)
 
     async def create(self, r):
         fi, a = await self._method("create")(r.ino, r.name, r.mode, r.flags, _ctx(r))

@@ -58,14 +58,15 @@ def entry_tuple(a) -> tuple:
 class FileInfo:
     """An open's answer (pyfuse3.FileInfo): the handle and the kernel's caching of the file."""
 
-    __slots__ = ("fh", "direct_io", "keep_cache", "nonseekable")
+    __slots__ = ("fh", "direct_io", "keep_cache", "nonseekable", "noflush")
 
     def __init__(self, fh: int = 0, direct_io: bool = False, keep_cache: bool = True,
-                 nonseekable: bool = False) -> None:
+                 nonseekable: bool = False, noflush: bool = False) -> None:
         self.fh = fh
         self.direct_io = direct_io
         self.keep_cache = keep_cache
         self.nonseekable = nonseekable
+        self.noflush = noflush  # FOPEN_NOFLUSH: no FLUSH at close (the native front end only)
 
 
 class StatvfsData:
