@@ -88,14 +88,18 @@ class Host:
                "--health-interval", "disable", "--device", f"{self.fuse_device}:/dev/fuse", "--cap-add", "SYS_ADMIN",
                *self.volumes("rshared"), "-v", f"{self.state}:/var/lib/kvfs/state", *options, self.image)
         self.containers.append(name)
+        # Its own "mounted" line first: a dead mount left by a killed predecessor can look alive for a moment
+        # (stat answered from the kernel's attribute cache) until this container's entrypoint detaches it.
         deadline = time.monotonic() + timeout
-        while not (mounted(self.mountpoint) and os.path.ismount(self.mountpoint)):
+        while True:
+            logs = podman("logs", name, check=False).stderr
+            if " kvfs: mounted " in logs and mounted(self.mountpoint):
+                os.statvfs(self.mountpoint)  # alive: statfs always reaches the daemon
+                return name
             state = podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
             if state != "running" or time.monotonic() > deadline:
-                raise AssertionError(f"kvfs container {state}, no mount at {self.mountpoint}:\n"
-                                     + podman("logs", name, check=False).stderr)
+                raise AssertionError(f"kvfs container {state}, no mount at {self.mountpoint}:\n{logs}")
             time.sleep(0.1)
-        return name
 
     def engine_cmd(self, mode: str, user: str = "root", name: str = "kvfs-test-engine") -> list[str]:
         return ["podman", "run", "--rm", "--name", name, "--user", user, *self.volumes("rslave"),
@@ -104,8 +108,12 @@ class Host:
 
     def engine(self, mode: str, user: str = "root", timeout: float = 120) -> dict:
         r = subprocess.run(self.engine_cmd(mode, user), capture_output=True, text=True, timeout=timeout)
-        assert r.returncode == 0, f"engine {mode}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        assert r.returncode == 0, f"engine {mode}: exit {r.returncode}\n{r.stdout}\n{r.stderr}\n{self.logs()}"
         return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def logs(self) -> str:
+        """Every kvfs container's log, for a failure's message."""
+        return "\n".join(f"--- {name}\n" + podman("logs", name, check=False).stderr for name in self.containers)
 
     def stats(self) -> dict:
         return json.loads((self.mountpoint / ".kvfs" / "stats").read_text())
@@ -225,7 +233,7 @@ def test_kill_without_the_hook_next_container_takes_over(host):
         os.statvfs(host.mountpoint)
     host.start_kvfs("kvfs-test-4", hook=False)
     assert "detached a dead mount" in podman("logs", "kvfs-test-4").stderr
-    assert len(mounted(host.mountpoint)) == 1
+    assert len(mounted(host.mountpoint)) == 1, host.logs()
     report = host.engine("read")
     assert all(w["direct_exact"] and w["through_mount_exact"] for f in report["files"]
                for w in (f["fuse_written"], f["direct_written"])), report
