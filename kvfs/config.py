@@ -205,13 +205,31 @@ def _frontend(value) -> str:
     return value
 
 
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def memory_limit() -> int | None:
+    """The memory limit of the cgroup this process sees at /sys/fs/cgroup (a container's or a pod's), or None:
+    no limit, or not in a container (the root cgroup has none)."""
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max" (v2) or a page-rounded 2^63 (v1): unlimited
+            return int(text)
+    return None
+
+
 def default_max_dirty() -> int:
-    """A quarter of physical memory, at least 256 MiB: unsaved writes live in memory until close."""
+    """A quarter of physical memory, or of the container's memory limit where that is lower, at least 256 MiB:
+    unsaved writes live in memory until close."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         ram = 4 << 30
-    return max(256 << 20, ram // 4)
+    limit = memory_limit()
+    return max(256 << 20, min(ram, limit if limit is not None else ram) // 4)
 
 
 def _mount_slug(mountpoint: Path) -> str:

@@ -110,3 +110,24 @@ def test_idle_from_toml_and_the_command_line_wins(tmp_path):
     assert build_config(tmp_path / "m", config_file=toml).idle_s == 300
     assert build_config(tmp_path / "m", config_file=toml, idle="off").idle_s == 0
     assert build_config(tmp_path / "m").idle_s == 0
+
+
+def test_max_dirty_follows_a_container_memory_limit(tmp_path, monkeypatch):
+    """In a container (a pod with a memory limit) the default is a quarter of the limit, not of the host's RAM."""
+    import os
+
+    from kvfs import config
+
+    limit_file = tmp_path / "memory.max"
+    monkeypatch.setattr(config, "CGROUP_MEMORY_LIMITS", (str(limit_file),))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert config.memory_limit() is None and config.default_max_dirty() == max(256 << 20, ram // 4)
+    limit_file.write_text("max\n")  # cgroup v2, no limit
+    assert config.memory_limit() is None
+    limit_file.write_text("9223372036854771712\n")  # cgroup v1, no limit
+    assert config.memory_limit() is None
+    limit_file.write_text(f"{2 << 30}\n")
+    assert config.memory_limit() == 2 << 30 and config.default_max_dirty() == min(ram, 2 << 30) // 4
+    assert build_config(tmp_path / "m").max_dirty == min(ram, 2 << 30) // 4
+    limit_file.write_text(f"{512 << 20}\n")
+    assert config.default_max_dirty() == 256 << 20  # the floor

@@ -140,7 +140,7 @@ def host(tmp_path_factory):
 
 
 def test_kvfs_container_mounts_on_a_shared_host_directory(host):
-    host.start_kvfs("kvfs-test-1", "-e", "KVFS_MOUNT_PROMOTE=never")
+    host.start_kvfs("kvfs-test-1", "-e", "KVFS_MOUNT_PROMOTE=never", "--memory", "2g")
     assert " - fuse.kvfs " in mounted(host.mountpoint)[0]
     stats = host.stats()
     # the image's /etc/kvfs/kvfs.toml set the tiers; the environment (KVFS_MOUNT_PROMOTE) one more setting
@@ -148,6 +148,10 @@ def test_kvfs_container_mounts_on_a_shared_host_directory(host):
     assert stats["tiers"]["L3"]["path"] == "/var/lib/kvfs/l3", stats["tiers"]["L3"]
     assert stats["mover"]["promotion"] == "never", stats["mover"]
     assert podman("healthcheck", "run", "kvfs-test-1", check=False).returncode == 0
+    # the container's memory limit bounds the default for unsaved writes (the image's TOML sets max_dirty)
+    default = podman("exec", "kvfs-test-1", "python", "-c",
+                     "from kvfs.config import default_max_dirty as d; print(d())").stdout
+    assert int(default) == (2 << 30) // 4, default
     print(deploy_build.BUILD_REPORT)
 
 
