@@ -544,7 +544,9 @@ class Operations(fuse.Operations):
         h = self._handle(fh)
         if h.state is None:
             raise _err(errno.EIO)
-        raise h.state._mark_corrupt(f"frame {frame}: {_NATIVE_ERRORS.get(code, f'read failed ({code})')}")
+        reason = _NATIVE_ERRORS.get(code, f"read failed ({code})")
+        log.info("native read of inode %d: frame %d: %s", h.ino, frame, reason)
+        raise h.state._mark_corrupt(f"frame {frame}: {reason}")
 
     def take_native_counts(self) -> None:
         """Add what the native front end's reads counted since the last call (stats, metrics)."""

@@ -362,3 +362,24 @@ def test_native_corrupt_frame(native_object):
     assert _loop.native_pread(77, 2 * (64 << 10), 10) == -3  # KVF_ERR_PAYLOAD
     assert _loop.native_pread(77, 0, 4096) is None  # Python's from now on
     assert _loop.native_take()["corrupt"] == 1
+
+
+def test_native_read_of_a_corrupt_object(native: KvfsMount):
+    """A frame corrupted after the commit: the native read finds it, the file is dropped and counted as the
+    Python path does it, and the reader gets EIO, then ENOENT."""
+    native.path("c").write_bytes(os.urandom(300_000))  # one frame, stored raw
+    time.sleep(0.2)
+    (obj,) = native.objects("L2")
+    with open(obj, "r+b") as f:
+        f.seek(-1000, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1000, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    native.expect_log(r"corrupt object for inode \d+ \(b'c'\): frame 0: frame payload checksum mismatch")
+    with pytest.raises(OSError) as e:
+        _uncached_pread(native.path("c"), 4096, 0)
+    assert e.value.errno == errno.EIO
+    assert "native read of inode" in native.log_text()
+    assert native.stats()["checksum_failures"] == 1
+    assert not native.path("c").exists()
+    assert native.alive()

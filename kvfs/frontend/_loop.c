@@ -242,7 +242,7 @@ static struct nh *nh_unlink(uint64_t fh) {
     struct nh *h = *p;
     if (h) {
         *p = h->next;
-        NT.count--;
+        __atomic_sub_fetch(&NT.count, 1, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&NT.lock);
     return h;
@@ -395,7 +395,7 @@ static int native_serve(struct nh *h, size_t size, int64_t off, sink_t *s, int *
 
 /* a READ in a libfuse worker: NR_DONE when answered here */
 static int native_read(fuse_req_t req, uint64_t fh, size_t size, off_t off, int *code, int64_t *frame) {
-    if (NT.count == 0)   /* racy read: at worst one request more goes to Python */
+    if (__atomic_load_n(&NT.count, __ATOMIC_RELAXED) == 0)   /* no native handle: no lock taken */
         return NR_PYTHON;
     struct nh *h = nh_get(fh);
     if (h == NULL)
@@ -430,7 +430,7 @@ static void native_close_all(void) {
             all = h;
         }
     }
-    NT.count = 0;
+    __atomic_store_n(&NT.count, 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&NT.lock);
     while (all) {
         struct nh *next = all->next;
@@ -1378,7 +1378,7 @@ static PyObject *m_native_open(PyObject *self, PyObject *args) {
     pthread_mutex_lock(&NT.lock);
     h->next = NT.buckets[fh % NH_BUCKETS];
     NT.buckets[fh % NH_BUCKETS] = h;
-    NT.count++;
+    __atomic_add_fetch(&NT.count, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&NT.lock);
     Py_RETURN_NONE;
 }
@@ -1403,7 +1403,7 @@ static PyObject *m_native_disable(PyObject *self, PyObject *args) {
         return NULL;
     long n = 0;
     pthread_mutex_lock(&NT.lock);
-    for (int i = 0; i < NH_BUCKETS && NT.count; i++)
+    for (int i = 0; i < NH_BUCKETS && __atomic_load_n(&NT.count, __ATOMIC_RELAXED); i++)
         for (struct nh *h = NT.buckets[i]; h; h = h->next)
             if (h->ino == ino && !__atomic_exchange_n(&h->disabled, 1, __ATOMIC_ACQ_REL))
                 n++;
@@ -1429,7 +1429,8 @@ static PyObject *m_native_take(PyObject *self, PyObject *unused) {
     double sum = (double)TAKE(NC.lat_sum_ns) / 1e9;
     return Py_BuildValue("{sKsKsKsKsKsKsNsNsdsn}", "reads", reads, "bytes", bytes, "frames", frames,
                          "cache_hits", hits, "fallbacks", fb, "corrupt", bad, "stored", stored, "latency", lat,
-                         "latency_sum_s", sum, "handles", (Py_ssize_t)NT.count);
+                         "latency_sum_s", sum, "handles",
+                         (Py_ssize_t)__atomic_load_n(&NT.count, __ATOMIC_RELAXED));
 }
 
 /* native_pread(fh, off, size) -> the bytes as a READ would be answered natively; None when Python would serve
