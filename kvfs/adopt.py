@@ -40,7 +40,7 @@ from typing import Protocol
 
 import trio
 
-from . import codecs, events
+from . import codecs, direct, events
 from .frontend import api as fuse
 from . import format as fmt
 from . import lossy as lossy_modes
@@ -151,7 +151,7 @@ def verify_and_move(files: list[Adoption], frame_size: int, verify: str) -> None
 def _verify_object(fd: int, size: int, frame_size: int, verify: str) -> Verified:
     """The staged object's header and frame table, verified (CorruptObject otherwise). Its payloads are read
     only with adopt_verify "checksums" or "decode": every read checks them anyway (docs/direct.md)."""
-    header, entries = _read_head(fd, size)
+    header, _, entries = direct.read_head(fd, size, HEAD_PROBE)
     if header.frame_size != frame_size:
         raise fmt.CorruptObject(f"frame size {header.frame_size}, the mount's is {frame_size}")
     if header.flags:
@@ -162,19 +162,6 @@ def _verify_object(fd: int, size: int, frame_size: int, verify: str) -> Verified
     if verify != "table":
         _check_payloads(fd, size, entries, verify == "decode")
     return Verified(header, entries, size)
-
-
-def _read_head(fd: int, size: int) -> tuple[fmt.Header, list[fmt.FrameEntry]]:
-    """The header and frame table, parsed and verified: both checksums, the header's size relations, every
-    entry's raw_len and its payload's bounds within the object's `size` bytes, its flags. One read of HEAD_PROBE
-    bytes covers the head of an object of up to ~110 frames; a longer table takes a second read."""
-    head = os.pread(fd, HEAD_PROBE, 0)
-    header = fmt.parse_header(head)
-    if header.data_offset > len(head):
-        head = os.pread(fd, header.data_offset, 0)
-    if len(head) < header.data_offset:
-        raise fmt.CorruptObject("object shorter than its frame table")
-    return header, fmt.parse_table(header, memoryview(head)[header.size:], size)
 
 
 def _check_layout(header: fmt.Header, entries: list[fmt.FrameEntry], size: int) -> None:

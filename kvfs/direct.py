@@ -131,9 +131,10 @@ def _layout(fd: int, loc: Location) -> tuple[fmt.Header, memoryview, list[fmt.Fr
     return header, table, entries
 
 
-def read_head(fd: int, object_size: int) -> tuple[fmt.Header, memoryview, list[fmt.FrameEntry]]:
-    """An open object's header, its frame table as stored and parsed, both verified (CorruptObject)."""
-    head = os.pread(fd, PROBE, 0)
+def read_head(fd: int, object_size: int, probe: int = PROBE) -> tuple[fmt.Header, memoryview, list[fmt.FrameEntry]]:
+    """An open object's header, its frame table as stored and parsed, both verified (CorruptObject). One read
+    of `probe` bytes, and a second where the table is longer."""
+    head = os.pread(fd, probe, 0)
     header = fmt.parse_header(head)
     if header.data_offset > len(head):
         head = os.pread(fd, header.data_offset, 0)
