@@ -481,7 +481,9 @@ class Operations(fuse.Operations):
         as verified here. Anything else, or anything unexpected, leaves the reads to OpenFile."""
         state = h.state
         ref = state.ref
-        if ref is None or ref.key is not None or state.modified or state.corrupt or state.writers:
+        # a writer may be open (its RELEASE can reach the trio thread after this OPEN: the libfuse threads do not
+        # keep the kernel's order): what it writes turns the native handles off (write, truncate)
+        if ref is None or ref.key is not None or state.modified or state.corrupt:
             return False
         tier = self.store.tiers[ref.tier]
         path = None if tier.sealed or tier.shared else tier.local_path(ref.object_id)
@@ -492,7 +494,7 @@ class Operations(fuse.Operations):
         except Exception:  # noqa: BLE001
             return False
         header = layout.header
-        if (state.ref is not ref or state.modified or state.writers or state.corrupt or header.sealing is not None
+        if (state.ref is not ref or state.modified or state.corrupt or header.sealing is not None
                 or header.lossy_mode or header.raw_size != state.size or len(layout.frames) != header.n_frames
                 or any(not e.is_hole and e.transform not in _KERNEL_DECODES.get(e.codec, ()) for e in layout.frames)):
             return False
@@ -515,12 +517,16 @@ class Operations(fuse.Operations):
             log.warning("inode %d: reads stay in Python: %s", h.ino, e)
             return False
         h.native = True
+        state.native_live = True
         return True
 
     def _native_off(self, ino: int) -> None:
         """The file is being changed: its native handles' reads go to Python (which sees the changes)."""
         if fuse.native is not None:
             fuse.native.disable(ino)
+            state = self.open_files.get(ino)
+            if state is not None:
+                state.native_live = False
 
     def native_first_read(self, fh: int) -> None:
         """The first read of a native handle was answered in C: count the hit, queue a due promotion, note the
@@ -622,6 +628,8 @@ class Operations(fuse.Operations):
         h = self._handle(fh)
         if h.state is None:
             raise _err(errno.EBADF)
+        if h.state.native_live:  # a writer opened before them: from now on Python serves every read
+            self._native_off(h.ino)
         n = await h.state.write(off, buf)
         self.attrs_given.discard(h.ino)  # the kernel drops its attributes of the file at this write's answer
         self.counters.write_requests += 1

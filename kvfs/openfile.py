@@ -281,7 +281,8 @@ class OpenFile:
         self.cache: OrderedDict[tuple[int, int], bytes | bytearray] = OrderedDict()
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.handles = 0
-        self.writers = 0  # handles open for writing (a file with any is never read by the native front end)
+        self.writers = 0  # handles open for writing
+        self.native_live = False  # handles of it are read by the native front end (kvfs/fs.py _native_open)
         self.corrupt: str | None = None
         self._eager = 0
 

@@ -267,6 +267,28 @@ def test_a_writer_takes_reads_back_to_python(native: KvfsMount):
     assert _uncached_pread(native.path("f"), 8, 98) == b"aabbbbaa"
 
 
+
+def test_a_reader_opened_beside_a_clean_writer_reads_natively(native: KvfsMount):
+    """A writer that has nothing unsaved does not keep a new reader in Python (a writer's RELEASE can reach the
+    trio thread after the next OPEN); its first write takes the reader's reads back to Python."""
+    native.path("f").write_bytes(b"a" * 300_000)
+    w = os.open(native.path("f"), os.O_WRONLY)  # open, nothing written: like a RELEASE not yet handled
+    try:
+        before = native.stats()
+        r = os.open(native.path("f"), os.O_RDONLY)
+        try:
+            os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert os.pread(r, 10, 0) == b"a" * 10
+            assert native.stats()["native_reads"] > before["native_reads"]
+            os.pwrite(w, b"bbbb", 100)
+            os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert os.pread(r, 8, 98) == b"aabbbbaa"
+        finally:
+            os.close(r)
+    finally:
+        os.close(w)
+    assert _uncached_pread(native.path("f"), 8, 98) == b"aabbbbaa"
+
 @pytest.fixture
 def native_object(tmp_path):
     """An object of 64 KiB frames (stored raw, a hole, zstd, a short last frame) handed to _loop as handle 77,
