@@ -35,7 +35,7 @@ def _print_version(ctx: click.Context, _param, value: bool) -> None:
     try:
         from .frontend import _loop  # noqa: F401
 
-        click.echo("native front end: available (--frontend native)")
+        click.echo("native front end: available")
     except ImportError as e:
         click.echo(f"native front end: unavailable ({e})")
     from .codecs import qat
@@ -100,9 +100,9 @@ def main() -> None:
               envvar="KVFS_MOUNT_CONFIG", help="TOML configuration file")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="where the index lives")
 @click.option("--allow-other", is_flag=True, default=None, help="let other users access the mount")
-@click.option("--frontend", type=click.Choice(["pyfuse3", "native"]),
-              help="the FUSE front end: pyfuse3 (default) or native (libfuse's multi-threaded loop in C threads, "
-                   "kvfs/frontend; docs/frontend.md)")
+@click.option("--frontend", metavar="native",
+              help="the FUSE front end: native (libfuse's multi-threaded loop in C threads, kvfs/frontend; "
+                   "docs/frontend.md), the only one since pyfuse3's was removed")
 @click.option("--foreground", "-f", is_flag=True, help="stay in the foreground, log to stderr")
 @click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), help="log file (background mode)")
 @click.option("--debug", is_flag=True, help="verbose logging")
@@ -267,10 +267,14 @@ def gc(url, max_size, max_age, dry_run, config_file):
 
 
 @main.command(name="stat")
-@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("mountpoint", metavar="MOUNTPOINT|FILE", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print the raw JSON")
 def stat_cmd(mountpoint, as_json):
-    """Show per-tier usage, compression and error counters of a mounted kvfs."""
+    """Show per-tier usage, compression and error counters of a mounted kvfs; or, for a file in one, where it
+    lies and how it is stored (the user.kvfs.* attributes readable by name, which listxattr does not list)."""
+    if not mountpoint.is_dir():
+        _file_stat(mountpoint, as_json)
+        return
     try:
         raw = (mountpoint / ".kvfs" / "stats").read_bytes()
     except OSError as e:
@@ -327,6 +331,28 @@ def stat_cmd(mountpoint, as_json):
     if doc.get("quotas"):
         console.print(quota_table)
     console.print(counters)
+
+
+def _file_stat(path: Path, as_json: bool) -> None:
+    import dataclasses
+
+    from . import client
+
+    try:
+        st = client.status(path)
+    except client.KvfsError as e:
+        raise click.ClickException(e.strerror) from None
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(st), indent=2))
+        return
+    ratio = f" ({st.stored_bytes / st.size:.3f} of the logical size)" if st.size and st.stored_bytes else ""
+    rows = [("tier", st.tier), ("pinned", "yes" if st.pinned else "no"),
+            ("idle", f"{st.idle_s} s" if st.idle_s else "never"),
+            ("ttl", f"{st.ttl_s} s" if st.ttl_s else "none"), ("codec", st.codec), ("transform", st.transform),
+            ("size", f"{st.size} ({_human(st.size)})"), ("stored", f"{st.stored_bytes}{ratio}")]
+    click.echo(st.path)
+    for key, value in rows:
+        click.echo(f"  {key:<10} {value}")
 
 
 def _directory_table(tier: str, directories: list[dict]):

@@ -168,7 +168,7 @@ class Config:
     max_dirty: int = 256 << 20  # bytes of unsaved frames across open files (build_config: default_max_dirty())
     max_backlog: int | None = None  # [mount] max_backlog: L2 bytes behind that mean congested (None: 15% of L2)
     allow_other: bool = False
-    frontend: str = "pyfuse3"  # the FUSE front end: pyfuse3, or native (kvfs/frontend, libfuse in C threads)
+    frontend: str = "native"  # the FUSE front end: native (kvfs/frontend, libfuse in C threads), the only one
     foreground: bool = False
     debug: bool = False
     log_file: Path | None = None
@@ -196,10 +196,13 @@ class Config:
         return tuple(t for t in (self.l2, self.l3, self.l4) if t is not None)
 
 
-FRONTENDS = ("pyfuse3", "native")
+FRONTENDS = ("native",)
 
 
 def _frontend(value) -> str:
+    if value == "pyfuse3":
+        raise ConfigError("[mount] frontend = 'pyfuse3': that front end was removed; the native one replaces it "
+                          "(docs/frontend.md)")
     if value not in FRONTENDS:
         raise ConfigError(f"[mount] frontend = {value!r}: choose one of {', '.join(FRONTENDS)}")
     return value
@@ -491,7 +494,7 @@ def build_config(
         max_dirty=max_dirty,
         max_backlog=max_backlog,
         allow_other=bool(mount_t.get("allow_other", False) if allow_other is None else allow_other),
-        frontend=_frontend(frontend or mount_t.get("frontend") or os.environ.get("KVFS_FRONTEND") or "pyfuse3"),
+        frontend=_frontend(frontend or mount_t.get("frontend") or os.environ.get("KVFS_FRONTEND") or "native"),
         foreground=foreground,
         debug=debug or bool(mount_t.get("debug", False)),
         log_file=Path(lfile).expanduser() if lfile else None,

@@ -56,21 +56,8 @@ def setup_logging(config: Config) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)
-    logging.getLogger("pyfuse3").setLevel(logging.INFO if config.debug else logging.WARNING)
-    logging.getLogger("pyfuse3").addFilter(_StaleReplyFilter())
     for chatty in ("botocore", "boto3", "urllib3", "s3transfer"):  # per-request notices: not kvfs events
         logging.getLogger(chatty).setLevel(logging.WARNING)
-
-
-class _StaleReplyFilter(logging.Filter):
-    """pyfuse3 logs ERROR when the kernel no longer waits for a reply (ENOENT), e.g. for a release whose
-    file the kernel already let go. Nothing was lost and nothing is wrong in kvfs: keep it at DEBUG."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "fuse_reply_" in record.getMessage() and "No such file or directory" in record.getMessage():
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logging.getLogger().isEnabledFor(logging.DEBUG)
-        return True
 
 
 def _lock_state_dir(config: Config) -> int:
@@ -141,7 +128,6 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
 
     publisher = _start_events(config, ops)  # bound before mounting, as the metrics port
 
-    fuse.use(config.frontend)
     options = set(fuse.default_options)
     options |= {"fsname=kvfs", "subtype=kvfs"}
     if config.allow_other:
@@ -157,10 +143,9 @@ def _mount_and_serve(config: Config, index: Index, tiers: list[Tier], claim: own
         if publisher is not None:
             publisher.close()
         raise SystemExit(f"kvfs: mounting {config.mountpoint} failed ({e}): see the lines above") from None
-    log.info("mounted %s (%s; codec %s, promotion %s, %d files%s)", config.mountpoint,
+    log.info("mounted %s (%s; codec %s, promotion %s, %d files)", config.mountpoint,
              ", ".join(f"{t.name} {t.describe()} {_capacity(t.capacity)}" for t in config.tiers), config.codec,
-             config.promotion, sum(t.files for t in tiers),
-             "" if config.frontend == "pyfuse3" else f", front end {config.frontend}")
+             config.promotion, sum(t.files for t in tiers))
     sdnotify.notify("READY=1", f"STATUS=mounted {config.mountpoint}")
     clean = False
     try:

@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 KV_DATA = REPO / "tests" / "data" / "kv"
 FUSERMOUNT = shutil.which("fusermount3") or "fusermount3"
-# KVFS_TEST_FRONTEND=native runs every mount of the suite on the native FUSE front end (kvfs/frontend)
+# KVFS_TEST_FRONTEND=X adds `--frontend X` to every mount of the suite (native is the default and only one)
 FRONTEND = os.environ.get("KVFS_TEST_FRONTEND", "")
 # the level field of a log line (QATzip's own "[Error] ..." notices, routed into the log at INFO, are not kvfs errors)
 _BAD_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (ERROR|CRITICAL) |Traceback")

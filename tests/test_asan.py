@@ -44,8 +44,7 @@ def test_native_front_end_under_address_sanitizer(tmp_path):
     for so in built:
         shutil.copy(so, pkg / so.relative_to(tmp_path / "lib"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkg), os.environ.get("PYTHONPATH", "")]),
-           "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
-           "KVFS_TEST_FRONTEND": "native"}
+           "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SUITES], cwd=REPO,
                          capture_output=True, text=True, env=env, timeout=2400)
     tail = run.stdout[-6000:] + run.stderr[-3000:]

@@ -131,3 +131,14 @@ def test_max_dirty_follows_a_container_memory_limit(tmp_path, monkeypatch):
     assert build_config(tmp_path / "m").max_dirty == min(ram, 2 << 30) // 4
     limit_file.write_text(f"{512 << 20}\n")
     assert config.default_max_dirty() == 256 << 20  # the floor
+
+
+def test_the_native_front_end_is_the_only_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFS_FRONTEND", raising=False)
+    assert build_config(tmp_path / "mnt").frontend == "native"
+    assert build_config(tmp_path / "mnt", frontend="native").frontend == "native"
+    with pytest.raises(ConfigError, match="removed"):
+        build_config(tmp_path / "mnt", frontend="pyfuse3")
+    monkeypatch.setenv("KVFS_FRONTEND", "pyfuse3")
+    with pytest.raises(ConfigError, match="removed"):
+        build_config(tmp_path / "mnt")

@@ -1,7 +1,7 @@
 """The wheel and the sdist (tools/build_wheel.sh), and the wheel alone in a fresh venv outside the checkout.
 
 Built once per run (tests/deploy_build.py). The fresh venv installs the wheel from the wheelhouse with
---no-index (the same wheels PyPI gave the build, pyfuse3 built from its sdist), then runs tests/wheel_smoke.py
+--no-index (the same wheels PyPI gave the build), then runs tests/wheel_smoke.py
 from a directory outside the checkout with a PATH and environment that name nothing of it.
 """
 

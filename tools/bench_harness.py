@@ -257,9 +257,11 @@ class Mount:
     """One kvfs daemon in the foreground, as a child process of the benchmark."""
 
     def __init__(self, kvfs: str, codec: str, base: Path, shm_base: Path, l2_capacity: int, tag: str,
-                 dtype: str | None = None, *, l3: tuple[Path, int] | None = None, promote: str | None = None) -> None:
+                 dtype: str | None = None, *, l3: tuple[Path, int] | None = None, promote: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """l3: (directory under which this mount's L3 goes, capacity); None leaves kvfs its default L3 (in the
-        state dir). A Mount with the tag of a stopped one remounts the same state, L2 and L3."""
+        state dir). env: added to the daemon's environment. A Mount with the tag of a stopped one remounts the
+        same state, L2 and L3."""
         self.codec = codec
         self.mountpoint = base / f"mnt-{tag}"
         self.state = base / f"state-{tag}"
@@ -269,12 +271,13 @@ class Mount:
         self.cmd = [kvfs, "mount", str(self.mountpoint), "--foreground", "--l2", f"{self.l2}:{l2_capacity}",
                     "--codec", codec, "--state-dir", str(self.state), *(["--dtype", dtype] if dtype else []),
                     *(["--l3", f"{self.l3}:{l3[1]}"] if l3 else []), *(["--promote", promote] if promote else [])]
+        self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.mountpoint.mkdir(parents=True, exist_ok=True)  # exists when remounting
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env)
         deadline = time.monotonic() + MOUNT_TIMEOUT_S
         while not os.path.ismount(self.mountpoint):
             if self.proc.poll() is not None:

@@ -3,12 +3,11 @@
 #   kvfs-VERSION.tar.gz                         the sdist (C sources, vendored huff0/xxhash, the connector)
 #   kvfs-VERSION-cp311-cp311-manylinux_*.whl    the wheel, both C extensions compiled in, repaired by auditwheel
 #   wheelhouse/                                 with --wheelhouse: that wheel and every wheel it installs
-#                                               (pyfuse3 built here: PyPI has only its sdist), for offline
-#                                               installs such as the container image (tools/build_image.sh)
+#                                               for offline installs such as the container image (tools/build_image.sh)
 # The wheel is built from the sdist (python -m build does that), which shows the sdist is complete.
-# libfuse3 stays the system's (auditwheel --exclude): the native front end and pyfuse3 share the one libfuse of
-# the host, matching its fusermount3 and /etc/fuse.conf. The wheel therefore needs libfuse3 >= 3.12 at run time
-# for --frontend native (Debian 12, Ubuntu 24.04); pyfuse3 needs libfuse3 >= 3.2 (docs/deploy.md, "Wheels").
+# libfuse3 stays the system's (auditwheel --exclude): the front end uses the host's libfuse, matching its
+# fusermount3 and /etc/fuse.conf. The wheel therefore needs libfuse3 >= 3.12 at run time to mount (Debian 12,
+# Ubuntu 24.04; docs/deploy.md, "Wheels").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -36,7 +35,7 @@ wheel=$(ls "$OUT"/kvfs-"$version"-*.whl)
 
 if [ "$wheelhouse" = 1 ]; then
     rm -rf "$OUT/wheelhouse"
-    # pip wheel: the kvfs wheel as it is, its dependencies from PyPI (wheels where PyPI has them, pyfuse3 built)
+    # pip wheel: the kvfs wheel as it is, its dependencies from PyPI
     "$PY" -m pip wheel -q --wheel-dir "$OUT/wheelhouse" "$wheel" >>"$OUT/build.log" 2>&1 \
         || { tail -30 "$OUT/build.log" >&2; exit 1; }
 fi

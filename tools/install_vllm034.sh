@@ -70,7 +70,7 @@ EOF
     "${PIP[@]}" --no-deps "$WHEEL"
 fi
 
-if ! "$PY" -c "import kvfs_connector, kvfs, pyfuse3, pytest, hypothesis" 2>/dev/null; then
+if ! "$PY" -c "import kvfs_connector, kvfs, pytest, hypothesis" 2>/dev/null; then
     # kvfs's own requirements (pyproject.toml) plus the test extra; kvfs itself editable and without deps,
     # so pip never re-resolves vLLM's (its vllm extra pins <0.33)
     "$PY" - > "$WORK/kvfs.txt" <<'EOF'

@@ -1,3 +1,3 @@
-"""kvfs's FUSE front ends: the native one (libfuse 3 low-level API in C threads, _loop.c + bridge.py) and,
-until it replaces it, pyfuse3. `api` is what the rest of kvfs imports in place of pyfuse3 (docs/frontend.md).
+"""kvfs's FUSE front end: the libfuse 3 low-level API in C threads (_loop.c), requests into the Operations on the
+trio thread (bridge.py); `api` is what the rest of kvfs imports (docs/frontend.md).
 """

@@ -1,7 +1,5 @@
-"""The value types the Operations (kvfs/fs.py) use, with pyfuse3's names, fields and defaults.
-
-The native front end reads them by attribute, so pyfuse3's own instances are accepted as well (fs.py builds
-them through kvfs.frontend.api, which hands out these classes when the mount runs natively).
+"""The value types the Operations (kvfs/fs.py) use, with the names, fields and defaults of pyfuse3 (the front end
+the native one replaced), so the Operations kept their calling convention. bridge.py reads them by attribute.
 """
 
 from __future__ import annotations
@@ -14,20 +12,18 @@ RENAME_NOREPLACE = 1  # linux/fs.h
 RENAME_EXCHANGE = 2
 default_options = frozenset({"default_permissions"})
 
-try:  # one exception class for both front ends while pyfuse3 is still installed: code raising pyfuse3's
-    from pyfuse3 import FUSEError  # (kvfs/adopt.py) is answered the same by either
-except ImportError:  # pragma: no cover - pyfuse3 gone
-    class FUSEError(Exception):
-        """A request's answer is an error number (not a daemon fault)."""
 
-        __slots__ = ("errno",)
+class FUSEError(Exception):
+    """A request's answer is an error number (not a daemon fault)."""
 
-        def __init__(self, errno_: int) -> None:
-            super().__init__(errno_)
-            self.errno = errno_
+    __slots__ = ("errno",)
 
-        def __str__(self) -> str:
-            return errno.errorcode.get(self.errno, str(self.errno))
+    def __init__(self, errno_: int) -> None:
+        super().__init__(errno_)
+        self.errno = errno_
+
+    def __str__(self) -> str:
+        return errno.errorcode.get(self.errno, str(self.errno))
 
 
 class EntryAttributes:
