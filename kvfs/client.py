@@ -28,6 +28,7 @@ XA_TIER = "user.kvfs.tier"
 XA_PREFETCH = "user.kvfs.prefetch"
 XA_DROP = "user.kvfs.drop"
 XA_IDLE = "user.kvfs.idle"
+XA_TTL = "user.kvfs.ttl"
 
 PathArg = str | os.PathLike | Iterable[str | os.PathLike]
 Progress = Callable[[int, int], None]  # (files done, files in all)
@@ -46,6 +47,8 @@ class FileStatus:
     codec: str
     size: int
     stored_bytes: int
+    transform: str = "none"
+    ttl_s: int | None = None  # retention (user.kvfs.ttl); None: none set
 
 
 def pin(paths: PathArg, *, recursive: bool = False) -> int:
@@ -82,12 +85,22 @@ def drop(paths: PathArg, *, recursive: bool = False, progress: Progress | None =
 
 
 def status(path: str | os.PathLike) -> FileStatus:
+    """Where a file lies and how it is stored: kvfs's attributes of it, readable by name (not listed)."""
     def attr(name: str) -> str:
         return _call(os.getxattr, path, name).decode()
 
+    def ttl() -> int | None:
+        try:
+            return int(os.getxattr(path, XA_TTL))
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                raise KvfsError(e.errno, _explain(str(path), XA_TTL, (), e), str(path)) from None
+            return None
+
     st = os.stat(path)
     return FileStatus(str(path), attr(XA_TIER), attr(XA_PIN) == "1", int(attr(XA_IDLE)),
-                      attr("user.kvfs.codec"), st.st_size, int(attr("user.kvfs.stored_bytes")))
+                      attr("user.kvfs.codec"), st.st_size, int(attr("user.kvfs.stored_bytes")),
+                      attr("user.kvfs.transform"), ttl())
 
 
 def files(paths: PathArg, recursive: bool) -> Iterator[str]:

@@ -58,6 +58,9 @@ XA_PREFIX = b"user.kvfs."
 XA_DTYPE = b"user.kvfs.dtype"
 XA_SHAPE = b"user.kvfs.shape"  # a layout hint from the writer (the connector); recorded in the object header
 XA_LOSSY = b"user.kvfs.lossy"  # opt-in lossy mode (kvfs/lossy.py), on files or directories (inherited at create)
+# where a file lies and how it is stored: readable by name (getfattr -n, `kvfs stat FILE`), never listed, so
+# cp -a and rsync -X do not copy them out (copied back in, a stale tier would be a move request: EINVAL where
+# that tier is missing); set or removed, the informational ones succeed and change nothing
 INFO_XATTRS = (b"user.kvfs.tier", b"user.kvfs.codec", b"user.kvfs.stored_bytes", b"user.kvfs.transform")
 XA_OBJECT = direct.XA_OBJECT.encode()  # where the object lies, for readers past FUSE; readable, not listed
 XA_STAGING = staging.XA_STAGING.encode()  # on a directory: the direct-write offer (kvfs/adopt.py)
@@ -918,11 +921,9 @@ class Operations(fuse.Operations):
     async def listxattr(self, inode, ctx):
         if inode in VIRTUAL_INODES:
             return []
-        row = self._row(inode)
-        names = self.index.list_xattrs(inode)
-        if stat.S_ISREG(row["mode"]):
-            names = [*INFO_XATTRS, *names]
-        return names
+        self._row(inode)
+        # a quota is the mount's policy, as idle and ttl are: readable, not listed (a copy must not set one)
+        return [n for n in self.index.list_xattrs(inode) if n != quotas.XA_QUOTA]
 
     def _count_shed(self, value: bytes) -> None:
         try:

@@ -10,7 +10,8 @@ A request on a directory applies to every regular file of its tree at that momen
                       that would pass it is refused as a whole (ENOSPC). removexattr = 0.
   user.kvfs.tier      L2 | L3 | L4: move there now; the call returns when the object is there. Its current
                       value (or `none`, a file with no object yet) changes nothing. A pinned file is not
-                      demoted (EBUSY; a tree skips its pinned files).
+                      demoted (EBUSY; a tree skips its pinned files). Reads answer where the file is; not
+                      listed, so copies do not carry it into another mount as a request (docs/hotcold.md).
   user.kvfs.prefetch  any value: promote to the fastest tier in the background; the call returns at once.
   user.kvfs.drop      any value: remove the file from every tier now (its names too: the next lookup misses).
   user.kvfs.idle      DURATION | off | default: the idle policy of a file or a directory (new entries inherit

@@ -50,8 +50,8 @@ def test_xattr_requests_on_files_and_trees(make_mount):
     data = write_tree(m, {"conv/a/f1": MiB, "conv/a/f2": MiB, "conv/b/f3": MiB, "other/g1": MiB})
     f1, f2, f3, g1 = (m.path(p) for p in ("conv/a/f1", "conv/a/f2", "conv/b/f3", "other/g1"))
     assert not pinned(f1)
-    names = os.listxattr(f1)
-    assert "user.kvfs.tier" in names and "user.kvfs.pin" not in names and "user.kvfs.idle" not in names
+    names = os.listxattr(f1)  # requests and where a file lies are readable by name, never listed
+    assert not [n for n in names if n.startswith("user.kvfs.")], names
 
     os.setxattr(m.path("conv"), "user.kvfs.pin", b"1")  # a directory: its whole tree
     assert pinned(f1) and pinned(f2) and pinned(f3) and not pinned(g1)
@@ -258,34 +258,102 @@ def test_drop_of_an_open_file(make_mount):
 
 
 # -- copies in and out -------------------------------------------------------------------------------------------
+OWN_XATTRS = {"user.owner": b"engine-7", "user.vllm.kv_crc32c": b"1c2d3e4f", "user.bin": b"\x00binary\xff"}
+
+
+def own_xattrs(path: Path) -> dict[str, bytes]:
+    return {k: os.getxattr(path, k) for k in os.listxattr(path) if not k.startswith("user.kvfs.")}
+
+
+def kvfs_names(path: Path) -> list[str]:
+    return sorted(k for k in os.listxattr(path) if k.startswith("user.kvfs."))
+
+
 @pytest.mark.parametrize("tool", ["cp", "rsync"])
 def test_copy_in_and_out_with_xattrs(make_mount, tmp_path, tool):
-    """cp -a and rsync -X copy files out of and into the mount with no errors, keep their data and kvfs hints,
-    and do not copy pins."""
-    m = start_tiered(make_mount(), "16M", "64M")
-    data = write_tree(m, {"src/a": MiB, "src/sub/b": 300_000})
+    """Backups and migrations (issue 40): cp -a and rsync -aX copy files out of a mount onto ext4, back into it
+    and into another mount that has no L3, with exit status 0 and nothing on stderr. The data, the files' and
+    directories' own xattrs and kvfs's encoding hints travel; where a file lies (tier), how it is stored (codec,
+    stored bytes, transform), pins and quotas do not: they are readable by name, not listed. So the copies in
+    move nothing. Before, user.kvfs.tier was listed: copied back in it was a move request (L3 moved the new
+    copy), and into a mount without that tier it failed (rsync exit 23, fsetxattr: Invalid argument)."""
+    m = start_tiered(make_mount(), "16M", "64M", "--promote", "never")
+    other = make_mount("other").start("--l3", "none", l2_size="64M")
+    data = write_tree(m, {"src/a": MiB, "src/sub/b": 300_000, "src/sub/c": 200_000})
+    for rel in data:
+        for k, v in OWN_XATTRS.items():
+            os.setxattr(m.path(rel), k, v)
     os.setxattr(m.path("src/a"), "user.kvfs.dtype", b"bf16")
     os.setxattr(m.path("src/sub/b"), "user.kvfs.tier", b"L3")
+    os.setxattr(m.path("src/sub"), "user.dir.tag", b"d")
+    os.setxattr(m.path("src/sub"), "user.kvfs.quota", b"8M")  # the mount's policy, as pins are: not copied
     client.pin(m.path("src/a"))
-    out = tmp_path / "out"
+    assert os.getxattr(m.path("src/sub"), "user.kvfs.quota") == b"L2=8388608"  # readable by name
+    out = tmp_path / "out"  # ext4
 
     def copy(src: Path, dst: Path) -> None:
         cmd = ["cp", "-a", str(src), str(dst)] if tool == "cp" else ["rsync", "-aX", f"{src}/", f"{dst}/"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0 and res.stderr == "", res
 
+    def check_copy(top: Path) -> None:
+        for rel in data:
+            path = top / rel.removeprefix("src/")
+            assert own_xattrs(path) == OWN_XATTRS, path
+            assert kvfs_names(path) == (["user.kvfs.dtype"] if rel == "src/a" else []), path
+        assert os.getxattr(top / "a", "user.kvfs.dtype") == b"bf16"
+        assert own_xattrs(top / "sub") == {"user.dir.tag": b"d"} and kvfs_names(top / "sub") == []
+
     copy(m.path("src"), out)
+    check_copy(out)
     assert (out / "a").read_bytes() == data["src/a"] and (out / "sub" / "b").read_bytes() == data["src/sub/b"]
-    assert "user.kvfs.pin" not in os.listxattr(out / "a")
-    copy(out, m.path("back"))  # into the mount, with the copied kvfs attributes
-    for rel in ("a", "sub/b"):
-        assert read_uncached(m.path("back", rel)) == data[f"src/{rel}"]
-        assert not pinned(m.path("back", rel))
-    assert os.getxattr(m.path("back/a"), "user.kvfs.dtype") == b"bf16"
+    assert tier_of(m.path("src/sub/b")) == "L3"
+    moved = m.stats()["requested_moves"]
+    copy(out, m.path("back"))  # into the mount
+    copy(out, other.path("copy"))  # into a mount without L3: L3 names no tier there
+    for top in (m.path("back"), other.path("copy")):
+        check_copy(top)
+        for rel in data:
+            path = top / rel.removeprefix("src/")
+            assert read_uncached(path) == data[rel]
+            assert tier_of(path) == "L2" and not pinned(path), path  # where new files go: nothing moved
+        with pytest.raises(OSError) as e:
+            os.getxattr(top / "sub", "user.kvfs.quota")
+        assert e.value.errno == errno.ENODATA
+    assert m.stats()["requested_moves"] == moved and other.stats()["requested_moves"] == 0
     copy(m.path("src"), m.path("again"))  # within the mount
+    check_copy(m.path("again"))
     assert read_uncached(m.path("again/sub/b")) == data["src/sub/b"] and not pinned(m.path("again/a"))
+    assert tier_of(m.path("again/sub/b")) == "L2" and tier_of(m.path("src/sub/b")) == "L3"
     shutil.rmtree(out)
     m.check_accounting()
+    other.check_accounting()
+
+
+def test_copy_that_carries_kvfs_info_goes_in(make_mount, tmp_path):
+    """A copy made elsewhere may carry kvfs's informational attributes (a tool that copies by name, a copy made
+    by an older kvfs that listed them): set by rsync -aX, the codec, stored size and transform of another mount,
+    and a tier this file is in already, succeed and change nothing."""
+    m = make_mount().start(l2_size="64M")
+    out = tmp_path / "out"
+    out.mkdir()
+    data = content("x", 500_000)
+    (out / "x").write_bytes(data)
+    carried = {"user.kvfs.codec": b"qat", "user.kvfs.stored_bytes": b"12345", "user.kvfs.transform": b"xor-delta",
+               "user.kvfs.tier": b"L2", "user.kvfs.object": b"L2 1 2 /nowhere", "user.kvfs.congested": b"1",
+               "user.owner": b"engine-7"}
+    for k, v in carried.items():
+        os.setxattr(out / "x", k, v)
+    res = subprocess.run(["rsync", "-aX", f"{out}/", f"{m.path('in')}/"], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", res
+    f = m.path("in", "x")
+    assert read_uncached(f) == data and own_xattrs(f) == {"user.owner": b"engine-7"} and kvfs_names(f) == []
+    assert os.getxattr(f, "user.kvfs.codec") != b"qat" and os.getxattr(f, "user.kvfs.tier") == b"L2"
+    assert int(os.getxattr(f, "user.kvfs.stored_bytes")) > 400_000
+    for k in carried:
+        if k != "user.owner":
+            os.removexattr(f, k)  # succeeds, changes nothing
+    assert os.getxattr(f, "user.kvfs.tier") == b"L2" and m.stats()["requested_moves"] == 0
 
 
 # -- the vLLM connector's options ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -206,16 +207,19 @@ def test_user_xattrs_and_kvfs_info(kvfs: KvfsMount):
     f.write_bytes(b"\x01\x02" * 100_000)
     os.setxattr(f, "user.owner", b"engine-7")
     assert os.getxattr(f, "user.owner") == b"engine-7"
-    names = os.listxattr(f)
-    for n in ("user.kvfs.tier", "user.kvfs.codec", "user.kvfs.stored_bytes", "user.owner"):
-        assert n in names
+    # where the file lies and how it is stored: readable by name, not listed (cp -a and rsync -X copy only the
+    # file's own xattrs: tests/test_hotcold.py::test_copy_in_and_out_with_xattrs)
+    assert os.listxattr(f) == ["user.owner"]
     assert os.getxattr(f, "user.kvfs.tier") == b"L2"
     assert os.getxattr(f, "user.kvfs.codec") == b"zstd"
     stored = int(os.getxattr(f, "user.kvfs.stored_bytes"))
     assert 0 < stored < 200_000 and -(-stored // 512) == f.stat().st_blocks
     os.setxattr(f, "user.kvfs.tier", b"L2")  # its current value: nothing happens (cp -a into the mount works)
-    os.setxattr(f, "user.kvfs.codec", b"qat")  # informational: ignored
+    for name in ("user.kvfs.codec", "user.kvfs.stored_bytes", "user.kvfs.transform"):  # informational: ignored
+        os.setxattr(f, name, b"qat")
+        os.removexattr(f, name)
     assert os.getxattr(f, "user.kvfs.tier") == b"L2" and os.getxattr(f, "user.kvfs.codec") == b"zstd"
+    assert int(os.getxattr(f, "user.kvfs.stored_bytes")) == stored
     with pytest.raises(OSError) as e:  # a request for a tier this mount has not (tests/test_hotcold.py: moves)
         os.setxattr(f, "user.kvfs.tier", b"L9")
     assert e.value.errno == errno.EINVAL
@@ -229,8 +233,18 @@ def test_user_xattrs_and_kvfs_info(kvfs: KvfsMount):
     with pytest.raises(OSError) as e:
         os.setxattr(f, "user.kvfs.dtype", b"int3")
     assert e.value.errno == errno.EINVAL
+    os.setxattr(f, "user.owner", b"engine-7")
     out = subprocess.run(["getfattr", "-d", "-m", "-", str(f)], capture_output=True, text=True, check=True).stdout
-    assert 'user.kvfs.tier="L2"' in out and "user.kvfs.stored_bytes=" in out
+    assert 'user.owner="engine-7"' in out and "user.kvfs." not in out
+    out = subprocess.run(["getfattr", "-n", "user.kvfs.tier", str(f)], capture_output=True, text=True,
+                         check=True).stdout
+    assert 'user.kvfs.tier="L2"' in out
+    out = subprocess.run([sys.executable, "-m", "kvfs", "stat", str(f)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "tier       L2" in out and "codec      zstd" in out and f"stored     {stored} (" in out
+    doc = json.loads(subprocess.run([sys.executable, "-m", "kvfs", "stat", "--json", str(f)], capture_output=True,
+                                    text=True, check=True).stdout)
+    assert (doc["tier"], doc["codec"], doc["stored_bytes"], doc["size"]) == ("L2", "zstd", stored, 200_000)
 
 
 def test_shape_hint_xattr_is_validated_and_recorded_in_the_object(kvfs: KvfsMount):

@@ -6,8 +6,11 @@ L4 round trip on a real Ceph RGW, and a restart."""
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 import zlib
+
+import pytest
 
 from test_l4 import settle, start_with_l4
 from test_tiers import wait_for
@@ -102,3 +105,37 @@ def test_a_published_block_record_travels_and_is_announced_by_the_other_node(mak
 
 def stored_events(sub) -> list:
     return [ev for ev in sub.events() if type(ev).__name__ == "BlockStored"]
+
+
+@pytest.mark.parametrize("tool", ["cp", "rsync"])
+def test_a_copy_from_a_mount_with_l4_goes_into_one_without(make_mount, ceph, tmp_path, tool):
+    """Backups and migrations (issue 40): files that lie in L4 copied out onto ext4 with cp -a / rsync -aX and on
+    into a mount without L4: exit status 0, the bytes and the files' own xattrs (vLLM's checksum) travel,
+    nothing moves. The copy carries no user.kvfs.tier: it used to, and `L4` was a move request the other mount
+    refused (rsync exit 23: fsetxattr user.kvfs.tier failed: Invalid argument)."""
+    prefix = f"xa-{uuid.uuid4().hex[:8]}"
+    a = start_with_l4(make_mount("a"), ceph, prefix, "--promote", "never", l2="64M", l3="64M")
+    a.path("ns").mkdir()
+    data = {name: os.urandom(size) for name, size in (("c1.kv", 3 << 20), ("c2.kv", 1 << 20))}
+    expected = {name: write_like_vllm(a, f"ns/{name}", d) for name, d in data.items()}
+    move(a, "ns/c1.kv", "L4")
+    move(a, "ns/c2.kv", "L3")
+    settle(a)
+    b = make_mount("b").start("--l3", f"{tmp_path / 'b-l3'}:64M", l2_size="64M")  # no L4
+    out = tmp_path / "out"  # ext4
+
+    def copy(src, dst) -> None:
+        cmd = ["cp", "-a", str(src), str(dst)] if tool == "cp" else ["rsync", "-aX", f"{src}/", f"{dst}/"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0 and res.stderr == "", res
+
+    copy(a.path("ns"), out)
+    for name in data:
+        assert xattrs_of(out / name) == expected[name] and not any(k.startswith("user.kvfs.")
+                                                                    for k in os.listxattr(out / name))
+    copy(out, b.path("ns"))
+    for name, d in data.items():
+        assert b.path("ns", name).read_bytes() == d and xattrs_of(b.path("ns", name)) == expected[name]
+        assert os.getxattr(b.path("ns", name), "user.kvfs.tier") == b"L2"  # where new files go
+    assert b.stats()["requested_moves"] == 0
+    assert [os.getxattr(a.path("ns", n), "user.kvfs.tier") for n in ("c1.kv", "c2.kv")] == [b"L4", b"L3"]
