@@ -4,6 +4,7 @@ while L4 was down ended the mount; a demotion refused while L4 was down reached 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ from conftest import REPO, kv_samples, s3_client
 from kvfs import client
 
 sys.path.insert(0, str(REPO / "tools"))
-from soak import Options, run_soak  # noqa: E402
+from soak import Entry, Options, Soak, run_soak  # noqa: E402
 
 
 def l4_objects(cluster, prefix: str) -> set[str]:
@@ -87,3 +88,49 @@ def test_removing_an_l4_file_while_the_store_is_down_keeps_the_mount(make_mount,
     m.start(*args, l2_size="8M", env=ceph.env)
     assert l4_objects(ceph, prefix) == set()  # reconcile removed it
     assert m.path("f1.kv").read_bytes() == data[1]
+
+
+def test_the_store_is_back_when_l4_answers_not_when_any_read_does(make_mount, ceph, tmp_path):
+    """Found by the 45-minute soak (issue 40): after an RGW restart the harness took a read of a file that had
+    lain in L4 as proof the store was back, but that file had moved to L2 meanwhile. kvfs's L4 breaker was still
+    open (it asks RGW again only at its next probe), so the reads of L4 files that followed failed at once with
+    EIO, counted as unexpected. The harness now waits until the breaker says closed, probing with a file that
+    still lies in L4. probe_s is 10 s here so the window is wide: the first L4 read is admitted only then."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text("[l4]\nbreaker_failures = 1\nprobe_s = 10\ndeadline_s = 5\n")
+    m = make_mount()
+    m.start("--l3", f"{tmp_path / 'l3'}:64M", "--l4", f"s3://kvfs-test/{prefix}", "--config", str(toml),
+            "--promote", "never", l2_size="64M", env=ceph.env)
+    soak = Soak(Options(duration_s=60, out=tmp_path / "out"), ceph, m.mountpoint, m.state, m.stats()["pid"])
+    samples = kv_samples("bf16")[:2] + kv_samples("fp16")[:1]
+    entries = []
+    for i, sample in enumerate(samples):
+        data = sample.read_bytes()
+        m.path(f"f{i}.kv").write_bytes(data)
+        entries.append(Entry(f"f{i}.kv", hashlib.sha256(data).digest(), len(data)))
+        soak.catalog.add(entries[-1])
+    for e in entries[1:]:
+        client.demote(m.path(e.name), to="L4")
+    in_l4 = entries  # f0 stands for a file that lay in L4 at the stop and lies in L2 now (promoted meanwhile)
+    soak.outages.begin()
+    ceph.stop_rgw()
+    try:
+        assert soak.read_and_verify(entries[1], "outage_probe") is None  # EIO: the breaker opens
+    finally:
+        ceph.start_rgw()
+    assert m.stats()["tiers"]["L4"]["breaker"] == "open"
+    # RGW answers, yet until the breaker's next probe a read of an L4 file fails at once, and one from L2 works:
+    # what the old harness saw
+    assert soak.read_and_verify(entries[0], "check") == "L2"
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as e, open(m.path(entries[2].name), "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        f.read()
+    assert e.value.errno == errno.EIO and time.monotonic() - t0 < 1.0
+    soak.recover(in_l4)
+    counts = soak.tally.counts
+    assert counts["unexpected_errors"] == 0 and counts["store_not_back"] == 0, soak.tally.failures
+    assert counts["recovery_probes_from_L4"] == 1 and counts["after_restarts_ok"] == 3, counts
+    assert counts["recovery_probe_failures_while_store_down"] > 0  # it did wait for the probe
+    assert m.stats()["tiers"]["L4"]["breaker"] == "closed"
