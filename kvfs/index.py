@@ -290,9 +290,14 @@ class Index:
 
     def tree_usage(self, ino: int) -> dict[str, int]:
         """Stored bytes of the files below a directory, per tier (a quota's usage: kvfs/quotas.py)."""
-        rows = self.db.execute(self._TREE + "SELECT i.obj_tier, SUM(i.stored_bytes) FROM tree t JOIN inodes i "
-                               "ON i.id = t.id WHERE i.obj_gen > 0 GROUP BY i.obj_tier", (ino,)).fetchall()
-        return {r[0]: r[1] for r in rows}
+        return {tier: used for tier, (used, _) in self.tree_tiers(ino).items()}
+
+    def tree_tiers(self, ino: int) -> dict[str, tuple[int, int]]:
+        """(stored bytes, largest file's stored bytes) of the files below a directory, per tier."""
+        rows = self.db.execute(self._TREE + "SELECT i.obj_tier, SUM(i.stored_bytes), MAX(i.stored_bytes) FROM tree t "
+                               "JOIN inodes i ON i.id = t.id WHERE i.obj_gen > 0 GROUP BY i.obj_tier",
+                               (ino,)).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
 
     def tree_lru(self, ino: int, tier: str, limit: int, skip: frozenset[int] | set[int] = frozenset()
                  ) -> list[sqlite3.Row]:

@@ -4,6 +4,10 @@ Policy
 - A tier above its high watermark is drained to its low watermark: its least recently used files are
   demoted to the next tier; from the last tier they are evicted (kvfs is a cache: the file disappears and
   its next lookup is a miss).
+- Quotas (kvfs/quotas.py): while a tier needs room, a directory at its quota there (within its largest file's
+  size) or over it gives up its own least recently used files first; other files go only when that is not
+  enough: for the high watermark, when the others' data alone is over it; for a writer, once those directories
+  gave what they can (`_drain`). A directory over its quota is brought back to it at every pass.
 - A new object goes to the fastest tier it fits in (durable ones — fsync — to the first persistent tier).
   When that tier is momentarily full the writer waits while room is made the same way; it falls back to the
   next tier only when nothing can be freed, and gets ENOSPC when no tier can take the object. An object
@@ -136,7 +140,7 @@ class Mover:
                     if nxt is not None and not nxt.available():
                         continue  # demotion pauses while the next tier is down: this one keeps files while it has room
                     if tier.used_bytes > high * tier.capacity:
-                        await self._drain(tier, int(low * tier.capacity))
+                        await self._drain(tier, int(low * tier.capacity), others_above=int(high * tier.capacity))
                     await self._enforce_quotas(tier)
             except Exception:
                 self.counters.errors += 1
@@ -217,20 +221,32 @@ class Mover:
             return freed > 0 or self.store.fits(tier, need)
 
     # -- draining a tier -------------------------------------------------------------------------------
-    async def _drain(self, tier: Tier, target_used: int, locked: bool = False, forced: bool = False) -> int:
+    async def _drain(self, tier: Tier, target_used: int, locked: bool = False, forced: bool = False,
+                     others_above: int | None = None) -> int:
         """Move least recently used files out of `tier` until it uses at most `target_used` bytes. Returns the
-        bytes freed. `forced` (a writer needs the room): while the next tier is down, evict instead."""
+        bytes freed. `forced` (a writer needs the room): while the next tier is down, evict instead.
+
+        Who pays (kvfs/quotas.py, docs/hotcold.md): first the directories over their quota here, down to it;
+        then the directories that were at their quota or over it when the drain began, their own least
+        recently used files, as many as it takes; other files only when that is not enough. A watermark drain
+        (`others_above`: the high watermark) then takes them only while the others' data alone is over it;
+        a writer that needs room (others_above None) gets it from them whatever their size: a directory at
+        its quota whose files cannot move (pinned, busy) must not send other tenants' writes to a slower tier."""
         if not locked:
             async with self._room[tier.name]:
-                return await self._drain(tier, target_used, locked=True, forced=forced)
+                return await self._drain(tier, target_used, locked=True, forced=forced, others_above=others_above)
         self._draining.add(tier.name)
         start, started = tier.used_bytes, time.monotonic()
         before = self._moved_out(tier)
         tried: set[int] = set()
+        pressing = self._at_quota(tier)  # fixed for the drain: a directory it takes files from stays first
         try:
             while tier.used_bytes > target_used:
-                # a directory over its quota here gives up its own files first (kvfs/quotas.py)
-                rows = self._quota_victims(tier, tried) or self.index.least_recently_used(tier.name, CANDIDATES, tried)
+                rows = self._quota_victims(tier, tried) or self._pressing_victims(tier, pressing, tried)
+                if not rows:
+                    if pressing and others_above is not None and self._others_bytes(tier, pressing) <= others_above:
+                        break  # the others keep their files: the directories at their quota gave what they had
+                    rows = self.index.least_recently_used(tier.name, CANDIDATES, tried)
                 if not rows:
                     break  # nothing left to try: whatever remains is busy, open (last tier) or pinned
                 async with trio.open_nursery() as nursery:
@@ -259,6 +275,27 @@ class Mover:
                 rows.append(row)
                 need -= row["stored_bytes"]
         return rows
+
+    def _at_quota(self, tier: Tier) -> list:
+        """The directories at their quota in `tier` or over it (kvfs/quotas.py)."""
+        return [] if self.quotas is None else self.quotas.at_or_over(tier.name)
+
+    def _pressing_victims(self, tier: Tier, pressing: list, tried: set[int]) -> list:
+        """Least recently used files of the directories at their quota (or over it) when the drain began."""
+        rows, seen = [], set()
+        for q in pressing:
+            for row in self.index.tree_lru(q.ino, tier.name, CANDIDATES, tried):
+                if row["id"] not in seen:  # hard links under two of them
+                    seen.add(row["id"])
+                    rows.append(row)
+        return rows
+
+    def _others_bytes(self, tier: Tier, pressing: list) -> int:
+        """Stored bytes in `tier` outside the directories at their quota: the other tenants' data."""
+        assert self.quotas is not None
+        now = {q.ino: q for q in self.quotas.refresh()}
+        theirs = sum(now[q.ino].used.get(tier.name, 0) for q in pressing if q.ino in now)
+        return max(0, tier.used_bytes - theirs)
 
     async def _enforce_quotas(self, tier: Tier) -> None:
         """Move files of directories over their quota in `tier` out of it, least recently used first."""
@@ -346,7 +383,10 @@ class Mover:
 
     async def _move_locked(self, ino: int, dest: Tier) -> bool:
         row = self.index.get(ino)
-        if row is None or not row["obj_gen"] or row["obj_tier"] == dest.name or row["obj_tier"] not in self.store.tiers:
+        if row is None:
+            self._move_skipped(ino, None, dest)  # deleted since it was chosen
+            return False
+        if not row["obj_gen"] or row["obj_tier"] == dest.name or row["obj_tier"] not in self.store.tiers:
             return False
         if dest.shared:
             return await self._publish_locked(row, dest)
@@ -358,6 +398,9 @@ class Mover:
         if size > dest.capacity:
             return False  # can never be there (a file bigger than L2 stays on L3)
         if not await self._reserve(dest, size):
+            if self._gone(ino, ref):  # deleted while it waited for room
+                self._move_skipped(ino, ref, dest)
+                return False
             self.counters.move_failures += 1
             log.debug("no room in %s for inode %d (%d bytes)", dest.name, ino, size)
             return False
@@ -374,6 +417,8 @@ class Mover:
             raise
         if not self.index.move_object(ino, ref.gen, ref.tier, dest.name, new_ref.stored_bytes):
             await self.store.delete(new_ref)  # unlinked or evicted meanwhile: the copy is garbage
+            if self._gone(ino, ref):
+                self._move_skipped(ino, ref, dest)
             return False
         state = self.open_file(ino)
         if state is not None:
@@ -548,7 +593,24 @@ class Mover:
             doomed.remove(oid)
             self._deleting -= 1
 
+    def _gone(self, ino: int, ref: ObjectRef) -> bool:
+        """The file no longer has the object a move started from: deleted meanwhile. Deletion (unlink, the
+        kernel's forget of an unlinked file: fs.py `_maybe_delete`) does not wait for the file's lock, so it
+        may remove the source while the mover copies it: the copy fails (ENOENT from a directory tier, a
+        missing key from S3), or succeeds and the index refuses the switch."""
+        row = self.index.get(ino)
+        return row is None or row["obj_gen"] != ref.gen or row["obj_tier"] != ref.tier
+
+    def _move_skipped(self, ino: int, ref: ObjectRef | None, dest: Tier, e: Exception | None = None) -> None:
+        """A move whose file was deleted: nothing to move, not a failure."""
+        self.counters.moves_skipped += 1
+        log.debug("moving inode %d from %s to %s skipped: file deleted%s", ino, ref.tier if ref else "its tier",
+                  dest.name, f" ({e})" if e is not None else "")
+
     def _move_failed(self, ino: int, ref: ObjectRef, dest: Tier, e: Exception) -> None:
+        if self._gone(ino, ref):
+            self._move_skipped(ino, ref, dest, e)
+            return
         self.counters.move_failures += 1
         if self._failure_log.due():
             log.warning("moving inode %d from %s to %s failed: %s (%d failed moves so far)", ino, ref.tier,

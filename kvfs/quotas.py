@@ -4,10 +4,12 @@ Semantics (docs/hotcold.md, "Quotas"): a quota is set on a directory (`user.kvfs
 or `[quotas]` in the TOML) and counts the stored (compressed) bytes of every file below it, in each tier it
 names. A bare size bounds the fastest tier (L2), where tenants compete: `4G`; several tiers: `L2=4G,L3=100G`.
 A directory over its quota in a tier has its own least recently used files moved out of that tier (down one
-tier; from the last tier, evicted) by the mover, and while any directory is over its quota in a tier that needs
-room, only such directories' files are chosen: a tenant that floods pushes out its own files, not another's. A
-file counts once per name: hard links under two quota directories count in both. Pinned files count but are
-never moved for a quota.
+tier; from the last tier, evicted) by the mover. While a tier needs room (a writer, or the high watermark), a
+directory at its quota there (within its largest file's size of it) or over it gives up its own least recently
+used files first; other files go only when that is not enough: for the high watermark, when the others' data
+alone is over it; for a writer, once those directories gave what they can (kvfs/mover.py, Mover._drain). A
+tenant that floods pushes out its own files, not another's. A file counts once per name: hard links under two
+quota directories count in both. Pinned files count but are never moved for a quota.
 """
 
 from __future__ import annotations
@@ -51,10 +53,18 @@ class Quota:
     path: str  # for stats and logs
     limits: dict[str, int]  # tier → bytes
     used: dict[str, int] = dataclasses.field(default_factory=dict)  # tier → stored bytes below it now
+    largest: dict[str, int] = dataclasses.field(default_factory=dict)  # tier → its largest file's stored bytes
 
     def excess(self, tier: str) -> int:
         limit = self.limits.get(tier)
         return 0 if limit is None else max(0, self.used.get(tier, 0) - limit)
+
+    def at_limit(self, tier: str) -> bool:
+        """At its quota in `tier` or over it: its next file of its largest size would not fit under the limit.
+        A directory that keeps a flood within its quota sits there (each new file takes it over, the mover
+        brings it back), and a tier that needs room then takes it from this directory first."""
+        limit, used = self.limits.get(tier), self.used.get(tier, 0)
+        return limit is not None and used > 0 and used + self.largest.get(tier, 0) >= limit
 
     def doc(self) -> dict:
         return {"path": self.path, "limits": dict(self.limits), "used": {t: self.used.get(t, 0) for t in self.limits}}
@@ -85,10 +95,22 @@ class Quotas:
             found[ino] = Quota(ino, "/".join(p.decode(errors="replace") for p in parts) if parts is not None
                                else f"inode {ino}", limits)  # the xattr wins over the TOML
         for q in found.values():
-            q.used = self.index.tree_usage(q.ino)
+            usage = self.index.tree_tiers(q.ino)
+            q.used = {t: used for t, (used, _) in usage.items()}
+            q.largest = {t: largest for t, (_, largest) in usage.items()}
         self.current = [q for q in found.values() if q.limits]
         return self.current
 
     def over(self, tier: str) -> list[Quota]:
         """Quotas over their limit in `tier` now (fresh usage), most over first."""
         return sorted((q for q in self.refresh() if q.excess(tier)), key=lambda q: -q.excess(tier))
+
+    def at_or_over(self, tier: str) -> list[Quota]:
+        """Quotas at their limit in `tier` or over it now (fresh usage), the farthest over first. A directory
+        inside another one listed is left out: the outer one's files include its files."""
+        found = sorted((q for q in self.refresh() if q.at_limit(tier)),
+                       key=lambda q: q.limits[tier] - q.used.get(tier, 0))
+        if len(found) > 1:
+            inner = {d for q in found for d in self.index.tree_dirs(q.ino) if d != q.ino}
+            found = [q for q in found if q.ino not in inner]
+        return found

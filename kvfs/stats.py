@@ -55,6 +55,7 @@ class Counters:
     prefetches: int = 0  # promotions queued by a prefetch request (user.kvfs.prefetch, kvfs prefetch)
     pin_refusals: int = 0  # pin requests refused: all pins together would pass the pin limit
     move_failures: int = 0  # moves given up (copy failed, no room); the file stays where it was
+    moves_skipped: int = 0  # moves not done because their file was deleted meanwhile (not a failure)
     expired_files: int = 0  # files dropped from every tier at the end of their retention time (user.kvfs.ttl)
     expired_bytes: int = 0  # their stored bytes
     saves_shed: int = 0  # saves skipped while the mover was congested: refused adoptions + writers' reports
