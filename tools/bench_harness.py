@@ -258,9 +258,9 @@ class Mount:
 
     def __init__(self, kvfs: str, codec: str, base: Path, shm_base: Path, l2_capacity: int, tag: str,
                  dtype: str | None = None, *, l3: tuple[Path, int] | None = None, promote: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         """l3: (directory under which this mount's L3 goes, capacity); None leaves kvfs its default L3 (in the
-        state dir). env: added to the daemon's environment. A Mount with the tag of a stopped one remounts the
+        state dir). env: added to the daemon's environment; cwd: its working directory. A Mount with the tag of a stopped one remounts the
         same state, L2 and L3."""
         self.codec = codec
         self.mountpoint = base / f"mnt-{tag}"
@@ -272,12 +272,14 @@ class Mount:
                     "--codec", codec, "--state-dir", str(self.state), *(["--dtype", dtype] if dtype else []),
                     *(["--l3", f"{self.l3}:{l3[1]}"] if l3 else []), *(["--promote", promote] if promote else [])]
         self.env = dict(os.environ, **(env or {}))
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.mountpoint.mkdir(parents=True, exist_ok=True)  # exists when remounting
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env)
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
+                                         cwd=self.cwd)
         deadline = time.monotonic() + MOUNT_TIMEOUT_S
         while not os.path.ismount(self.mountpoint):
             if self.proc.poll() is not None:

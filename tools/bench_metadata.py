@@ -10,18 +10,21 @@ out. Per arm and round, in this order:
     stat warm  the same again without dropping: what the kernel's attribute cache answers
     ls -l    `ls -l` of every directory (READDIRPLUS, then lstat/getxattr of each entry), after dropping
     unlink   every file
-Arms: plain (a /dev/shm directory), and one kvfs mount per front end named with --frontends (default: native
-and, where pyfuse3 is installed, pyfuse3). Columns: seconds (median over --rounds), µs per file, the ratio to
-the first kvfs arm, and the daemon's CPU-s per 10k files. Output: a table, bench-results/metadata.json.
+Arms: plain (a /dev/shm directory), kvfs (this checkout's daemon) and, with --baseline DIR, base (that
+checkout's daemon, with --base-env settings). Columns: seconds (median over --rounds), µs per file, kvfs / base,
+and the daemon's CPU-s per 10k files. Output: a table, bench-results/metadata.json.
 
 Usage (as root, FUSE available):
-    .venv/bin/python tools/bench_metadata.py [--files 10000] [--rounds 3] [--frontends native,pyfuse3]
+    .venv/bin/python tools/bench_metadata.py [--files 10000] [--rounds 3]
+    # before and after the native front end, in one run (b993f46: the last commit with pyfuse3, which this
+    # .venv must still have installed; copy the built kvfs/**/*.so into the worktree):
+    git worktree add /tmp/kvfs-base b993f46
+    .venv/bin/python tools/bench_metadata.py --baseline /tmp/kvfs-base --base-env KVFS_FRONTEND=pyfuse3
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -89,9 +92,11 @@ def run_ops(root: Path, files: list[tuple[str, str]], pid: int | None) -> dict[s
     return out
 
 
-def kvfs_arm(frontend: str, rnd: int, work: Path, shm: Path, files) -> dict[str, tuple[float, float]]:
-    m = Mount(sys.executable, "auto", work, shm, 1 << 30, f"{frontend}-r{rnd}", env={"KVFS_FRONTEND": frontend})
-    m.cmd[1:1] = ["-m", "kvfs"]  # `python -m kvfs mount ...`
+def kvfs_arm(arm: str, checkout: Path, env: dict[str, str], rnd: int, work: Path, shm: Path,
+             files) -> dict[str, tuple[float, float]]:
+    m = Mount(sys.executable, "auto", work, shm, 1 << 30, f"{arm}-r{rnd}", env={**env, "PYTHONPATH": str(checkout)},
+              cwd=checkout)
+    m.cmd[1:1] = ["-m", "kvfs"]  # `python -m kvfs mount ...` of that checkout
     notes: list[str] = []
     m.start()
     try:
@@ -100,7 +105,7 @@ def kvfs_arm(frontend: str, rnd: int, work: Path, shm: Path, files) -> dict[str,
     finally:
         code = m.stop(notes)
     if code != 0 or bad:
-        raise BenchFailure(f"{frontend}: daemon exit {code}; {bad[:3]}")
+        raise BenchFailure(f"{arm}: daemon exit {code}; {bad[:3]}")
     m.remove_dirs()
     return res
 
@@ -109,13 +114,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=3)
-    have_pyfuse3 = importlib.util.find_spec("pyfuse3") is not None
-    ap.add_argument("--frontends", default="native,pyfuse3" if have_pyfuse3 else "native")
+    ap.add_argument("--baseline", type=Path, help="another kvfs checkout: its daemon serves the 'base' arm")
+    ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="the base daemon's environment (repeatable)")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "metadata.json"))
     args = ap.parse_args()
-    frontends = [f for f in args.frontends.split(",") if f]
     files = names(args.files)
-    arms = ["plain", *frontends]
+    checkouts = {"kvfs": (REPO, {})}
+    if args.baseline:
+        checkouts["base"] = (args.baseline.resolve(), dict(e.split("=", 1) for e in args.base_env))
+    arms = ["plain", *checkouts]
     runs: dict[str, list[dict[str, tuple[float, float]]]] = {a: [] for a in arms}
     work = Path(tempfile.mkdtemp(prefix="kvfs-bench-meta-"))
     shm = Path(tempfile.mkdtemp(prefix="kvfs-bench-meta-", dir="/dev/shm"))
@@ -127,26 +135,27 @@ def main() -> int:
                     runs[arm].append(run_ops(root, files, None))
                     shutil.rmtree(root)
                 else:
-                    runs[arm].append(kvfs_arm(arm, rnd, work, shm, files))
+                    runs[arm].append(kvfs_arm(arm, *checkouts[arm], rnd, work, shm, files))
                 print(f"round {rnd + 1}/{args.rounds}: {arm} done", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     med = {a: {op: (statistics.median(r[op][0] for r in runs[a]), statistics.median(r[op][1] for r in runs[a]))
                for op in OPS} for a in arms}
-    ref = frontends[-1] if len(frontends) > 1 else None  # the one being replaced
+    ref = "base" if args.baseline else None
     print(f"\n{args.files} files in {DIRS} directories, medians of {args.rounds} rounds"
           + (f"; ratio = time / {ref}'s" if ref else ""))
     print(f"{'op':<10} {'arm':<8} {'s':>8} {'µs/file':>9} {'ratio':>7} {'daemon CPU-s/10k':>17}")
     for op in OPS:
         for a in arms:
             s, cpu = med[a][op]
-            ratio = f"{s / med[ref][op][0]:.2f}" if ref and a != "plain" else ""
+            ratio = f"{s / med[ref][op][0]:.2f}" if ref and a == "kvfs" else ""
             cpu_txt = f"{cpu * 10_000 / args.files:.2f}" if a != "plain" else ""
             print(f"{op:<10} {a:<8} {s:8.3f} {s / args.files * 1e6:9.1f} {ratio:>7} {cpu_txt:>17}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "files": args.files, "dirs": DIRS, "rounds": args.rounds, "host": platform.node(), "cpus": os.cpu_count(),
+        "files": args.files, "dirs": DIRS, "baseline": str(args.baseline) if args.baseline else None,
+        "base_env": args.base_env, "rounds": args.rounds, "host": platform.node(), "cpus": os.cpu_count(),
         "medians": {a: {op: {"seconds": s, "daemon_cpu_s": c} for op, (s, c) in v.items()} for a, v in med.items()},
         "runs": runs}, indent=1))
     print(f"saved {args.out}")
