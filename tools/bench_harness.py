@@ -260,8 +260,8 @@ class Mount:
                  dtype: str | None = None, *, l3: tuple[Path, int] | None = None, promote: str | None = None,
                  env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         """l3: (directory under which this mount's L3 goes, capacity); None leaves kvfs its default L3 (in the
-        state dir). env: added to the daemon's environment; cwd: its working directory. A Mount with the tag of a stopped one remounts the
-        same state, L2 and L3."""
+        state dir). env: added to the daemon's environment; cwd: its working directory. A Mount with the tag
+        of a stopped one remounts the same state, L2 and L3."""
         self.codec = codec
         self.mountpoint = base / f"mnt-{tag}"
         self.state = base / f"state-{tag}"
