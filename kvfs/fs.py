@@ -28,6 +28,7 @@ from . import format as fmt
 from . import stats as stats_mod
 from .codecs import by_name, kernel
 from .frontend import api as fuse
+from .frontend import native_write
 from .fsck_live import XA_FSCK, LiveFsck, Refused
 from .hotcold import REQUEST_XATTRS, XA_IDLE, XA_PIN, XA_TTL, HotCold, RequestError
 from .index import FIRST_USER_INODE, ROOT_INODE, Index, object_id
@@ -558,12 +559,12 @@ class Operations(fuse.Operations):
         raise h.state._mark_corrupt(f"frame {frame}: {reason}")
 
     def take_native_counts(self) -> None:
-        """Add what the native front end's reads counted since the last call (stats, metrics)."""
-        if fuse.native is None:
-            return
-        t = fuse.native.take()
+        """Add what the native front end's C threads counted since the last call: reads, writes (stats, metrics)."""
+        t = fuse.native_counts()
+        c = self.counters
+        if t["writes"] or t["frames_encoded"] or t["write_fallbacks"] or t["write_budget_fallbacks"]:
+            native_write.add_counts(self, t)
         if t["reads"]:
-            c = self.counters
             c.read_requests += t["reads"]
             c.bytes_read += t["bytes"]
             c.frames_decoded += t["frames"]
@@ -1173,7 +1174,7 @@ class Operations(fuse.Operations):
         self.take_native_counts()
         return stats_mod.document(counters=self.counters, tiers=self.store.order, totals=self.index.tier_totals(),
                                   config=self.config, started=self.started, open_files=len(self.open_files),
-                                  dirty_bytes=self.dirty_budget.used, read_bytes=self.store.read_bytes,
+                                  dirty_bytes=self.dirty_budget.total, read_bytes=self.store.read_bytes,
                                   mover=self.mover.status(),
                                   qat=self.qat.status() if self.qat is not None else {"mode": "not loaded"},
                                   quotas=[q.doc() for q in self.mover.quotas.refresh()] if self.mover.quotas else [],

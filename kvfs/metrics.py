@@ -109,7 +109,14 @@ class RequestLatency:
     def add_reads(self, per_bucket, total_s: float) -> None:
         """Reads timed elsewhere (the native front end's, kvfs/frontend/_loop.c), counted per bucket of
         LATENCY_BUCKETS (the last: above them all) with their total duration."""
-        child = self.read
+        self._add(self.read, per_bucket, total_s)
+
+    def add_writes(self, per_bucket, total_s: float) -> None:
+        """Writes timed elsewhere (the native front end's writers), as add_reads."""
+        self._add(self.write, per_bucket, total_s)
+
+    @staticmethod
+    def _add(child, per_bucket, total_s: float) -> None:
         buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
         if buckets is None or total is None or len(buckets) != len(per_bucket):  # another prometheus_client
             bounds = (*LATENCY_BUCKETS, LATENCY_BUCKETS[-1] * 2)

@@ -90,17 +90,40 @@ class DirtyBudget:
         self.limit = limit
         self.used = 0
         self._full_log = Throttle()
+        # unsaved bytes held outside Python against the same limit (the native front end's writers,
+        # kvfs/frontend/native_write.py), and who is told of Python's use (it checks its own against the rest)
+        self.held_outside: collections.abc.Callable[[], int] = _nothing
+        self.on_change: collections.abc.Callable[[int], None] | None = None
 
     def charge(self, nbytes: int) -> None:
-        if self.used + nbytes > self.limit:
+        if self.used + self.held_outside() + nbytes > self.limit:
             if self._full_log.due():
                 log.warning("unsaved data reached the dirty limit (%d MiB): writes get ENOSPC until files are "
                             "closed (raise mount.max_dirty to allow more)", self.limit >> 20)
             raise OSError(errno.ENOSPC, "dirty data limit reached")
         self.used += nbytes
+        if self.on_change is not None:
+            self.on_change(self.used)
+
+    def take_over(self, nbytes: int) -> None:
+        """Bytes that were held outside (a native writer's frames) and are Python's now: within the limit already."""
+        self.used += nbytes
+        if self.on_change is not None:
+            self.on_change(self.used)
 
     def release(self, nbytes: int) -> None:
         self.used -= nbytes
+        if self.on_change is not None:
+            self.on_change(self.used)
+
+    @property
+    def total(self) -> int:
+        """All unsaved bytes against the limit: Python's and those held outside."""
+        return self.used + self.held_outside()
+
+
+def _nothing() -> int:
+    return 0
 
 
 class EncodingPolicy:

@@ -31,6 +31,9 @@ class Counters:
     read_requests: int = 0
     native_reads: int = 0  # read requests answered in the native front end's C threads (kvfs/frontend/_loop.c)
     native_read_bytes: int = 0  # their logical bytes (both also counted in read_requests and bytes_read)
+    native_writes: int = 0  # write requests taken in the native front end's C threads (kvfs/frontend/native_write.py)
+    native_write_bytes: int = 0  # their logical bytes (both also counted in write_requests and bytes_written)
+    native_write_fallbacks: int = 0  # native writers sent back to Python before their close (a write out of order, …)
     direct_reads: int = 0  # files whose object a reader opened past FUSE (user.kvfs.object, kvfs.direct)
     direct_bytes: int = 0  # their logical bytes
     direct_writes: int = 0  # files whose object a writer encoded and staged, adopted by the daemon (kvfs.direct)

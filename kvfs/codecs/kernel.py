@@ -6,7 +6,10 @@ which releases the GIL while a kernel function runs.
 - XXH3-64 of large buffers (format.xxh3): kvfs_xxh3_64;
 - whole runs of frames of an object read and decoded in one call (kvfs.direct): kvfs_read_frames, which
   decodes zstd frames with the system's libzstd when one is found (kvfs_use_zstd), and leaves them to
-  Python otherwise.
+  Python otherwise;
+- frames encoded as format.encode_frame does, and a codec chosen from a frame's sample as EncodingPolicy._choose
+  does (_encode.c: kvfs_encode_frame, kvfs_choose), for the native front end's writers (kvfs/frontend/_loop.c);
+  zstd frames with the system's libzstd (kvfs_use_zstd_compress), else none.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64)]
     lib.kvfs_use_zstd.restype = None
     lib.kvfs_use_zstd.argtypes = [ctypes.c_void_p]
+    lib.kvfs_use_zstd_compress.restype = None
+    lib.kvfs_use_zstd_compress.argtypes = [ctypes.c_void_p] * 5
+    lib.kvfs_encode_supported.restype = ctypes.c_int
+    lib.kvfs_encode_supported.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.kvfs_encode_bound.restype = ctypes.c_size_t
+    lib.kvfs_encode_bound.argtypes = [ctypes.c_size_t]
+    lib.kvfs_encode_frame.restype = ctypes.c_int
+    lib.kvfs_encode_frame.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.kvfs_choose.restype = ctypes.c_int
+    lib.kvfs_choose.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -69,4 +83,9 @@ lib = _load()
 _zstd = _system_zstd()  # kept referenced: the kernel holds a pointer into it
 if _zstd is not None:
     lib.kvfs_use_zstd(ctypes.cast(_zstd.ZSTD_decompress, ctypes.c_void_p))
+    try:
+        lib.kvfs_use_zstd_compress(*(ctypes.cast(getattr(_zstd, name), ctypes.c_void_p) for name in (
+            "ZSTD_createCCtx", "ZSTD_freeCCtx", "ZSTD_CCtx_setParameter", "ZSTD_compress2", "ZSTD_isError")))
+    except AttributeError:  # a libzstd older than 1.4 (no advanced API): zstd frames are encoded in Python
+        pass
 ZSTD_IN_KERNEL = _zstd is not None

@@ -439,6 +439,460 @@ static void native_close_all(void) {
     }
 }
 
+/* ---- native sequential writes: WRITE of a file written in order, buffered and encoded in C threads -------------
+ *
+ * At create, or an open with O_TRUNC, of a file nobody else has open, Python (kvfs/frontend/native_write.py) registers
+ * a write-only handle here (native_write_open) with the codec candidates of the file's encoding policy. A WRITE of
+ * that handle at the offset where the last one ended is copied into the file's frames (frame_size bytes each, kept
+ * until Python takes them) and answered at once, in the libfuse worker, without the GIL; a frame filled up is queued
+ * to a small pool of encoder threads (kvfs_encode_frame of the codec kernel: hole, checksums, transform, codec, stored
+ * raw when it does not shrink), so the frames of one writer are encoded in parallel while its next WRITEs arrive. The
+ * codec is chosen from the first frame encoded, as EncodingPolicy._choose does (kvfs_choose).
+ *
+ * Anything else stops the handle: a WRITE at another offset, of nothing or past the size limit, a frame the memory
+ * budget cannot hold (those go to Python as ordinary WRITEs), FLUSH, fsync, RELEASE, and whatever Python decides
+ * (native_write_take: an open of the file by another handle, a truncate, ...). A stopped handle takes no more
+ * WRITEs; FLUSH, fsync and RELEASE also encode what is left (the last frame, here in the worker, beside the pool)
+ * and wait for the frames in flight before they are queued to Python. Python then takes the raw frames (their
+ * buffers handed over, no copy) and their encodings into the file's OpenFile as dirty frames encoded early, and the
+ * commit is OpenFile's own (kvfs/openfile.py): placement, quotas, sealing, the index, events and crash safety stay in
+ * one place, and a handle stopped mid-way goes on in Python exactly as if Python had received its writes.
+ *
+ * Bounded: the raw frames held here count against the mount's dirty budget together with Python's (a frame that does
+ * not fit sends its WRITE to Python, which answers ENOSPC as it would); a handle's frames queued or being encoded
+ * (NW_MAX_PENDING, else the WRITE waits); the encoder threads (set_writer).
+ */
+typedef struct {   /* as the codec kernel fills it (_encode.c kvfs_frame_t) */
+    uint32_t stored_len, raw_len;
+    uint8_t codec, transform;
+    uint16_t flags;
+    uint64_t stored_xxh3, raw_xxh3;
+} kvf_frame_t;
+typedef int (*encode_frame_fn)(const uint8_t *raw, size_t n, int codec, int transform, int param, uint8_t *dst,
+                               size_t cap, kvf_frame_t *f);
+typedef int (*choose_fn)(const uint8_t *raw, size_t n, const int32_t *cands, int count, int auto_mode);
+typedef size_t (*bound_fn)(size_t n);
+static encode_frame_fn encode_frame;  /* the codec kernel's kvfs_encode_frame, kvfs_choose, kvfs_encode_bound */
+static choose_fn choose_codec;
+static bound_fn encode_bound;
+
+#define NW_MAX_CANDS 8
+#define NW_MAX_PENDING 16                 /* a handle's frames queued or being encoded; a WRITE past it waits */
+#define NW_MAX_FILE ((uint64_t)64 << 30)  /* format.MAX_FILE_SIZE: a WRITE past it goes to Python (EFBIG) */
+#define NW_MAX_ENCODERS 64
+#define FRAME_HOLE_FLAG 1
+
+enum { WF_FILLING = 0, WF_QUEUED, WF_ENCODING, WF_DONE };
+
+struct wframe {
+    uint8_t *raw;                         /* frame_size bytes, [0, len) written */
+    uint8_t *payload;                     /* the coded payload; NULL for a hole or a frame stored raw (its raw bytes) */
+    uint32_t len;
+    uint8_t state;
+    uint8_t encoded;                      /* f and payload are this frame's encoding of [0, len) */
+    kvf_frame_t f;
+};
+
+struct nw {
+    struct nw *next;                      /* hash chain, under NWT.lock */
+    uint64_t fh, ino;
+    int refs;                             /* atomic: the table's, each request's, each queued frame's */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;                  /* a frame encoded, the codec chosen, the handle stopped */
+    int active;                           /* WRITEs are taken here (under lock; read atomically) */
+    int finished;                         /* stopped, every frame encoded (FLUSH, fsync, RELEASE) */
+    uint32_t frame_size;
+    struct wframe *frames;
+    uint32_t n_frames, cap_frames;
+    int pending;                          /* frames queued or being encoded */
+    int chosen;                           /* 1: codec, transform, param are the file's; -1: none (Python encodes) */
+    int choosing;
+    int codec, transform, param;
+    int n_cands, auto_mode;
+    int32_t cands[3 * NW_MAX_CANDS];
+    uint64_t size, writes, last_write_ns; /* written under lock, read atomically */
+};
+
+static struct {
+    pthread_mutex_t lock;
+    struct nw *buckets[NH_BUCKETS];
+    size_t count;
+} NWT = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+struct nw_job { struct nw_job *next; struct nw *h; uint32_t i; };
+
+static struct {                           /* the encoder threads */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct nw_job *head, *tail;
+    pthread_t threads[NW_MAX_ENCODERS];
+    int n_threads, want, stop;
+} EP = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+static struct { uint64_t limit, py_used, held; } NB = {.limit = UINT64_MAX};   /* the dirty budget (atomics) */
+
+static struct {                           /* atomic adds; native_take reads and clears them */
+    uint64_t writes, bytes, frames, fallbacks, budget_fallbacks, handles_taken;
+    uint64_t lat[MAX_LAT + 1];
+    uint64_t lat_sum_ns;
+} NWC;
+
+static uint64_t realtime_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+/* room for n more bytes of raw frames under the budget shared with Python's dirty frames */
+static int budget_take(uint64_t n) {
+    uint64_t held = __atomic_load_n(&NB.held, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t limit = __atomic_load_n(&NB.limit, __ATOMIC_RELAXED), py = __atomic_load_n(&NB.py_used, __ATOMIC_RELAXED);
+        if (held + n + py > limit || held + n < held)
+            return 0;
+        if (__atomic_compare_exchange_n(&NB.held, &held, held + n, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return 1;
+    }
+}
+
+static void budget_give(uint64_t n) { __atomic_fetch_sub(&NB.held, n, __ATOMIC_RELAXED); }
+
+static void nw_free(struct nw *h) {
+    for (uint32_t i = 0; i < h->n_frames; i++) {
+        free(h->frames[i].raw);
+        free(h->frames[i].payload);
+    }
+    budget_give((uint64_t)h->n_frames * h->frame_size);   /* frames handed to Python were counted out already */
+    free(h->frames);
+    pthread_mutex_destroy(&h->lock);
+    pthread_cond_destroy(&h->cond);
+    free(h);
+}
+
+static void nw_put(struct nw *h) {
+    if (__atomic_sub_fetch(&h->refs, 1, __ATOMIC_ACQ_REL) == 0)
+        nw_free(h);
+}
+
+static struct nw *nw_get(uint64_t fh) {
+    pthread_mutex_lock(&NWT.lock);
+    struct nw *h = NWT.buckets[fh % NH_BUCKETS];
+    while (h && h->fh != fh)
+        h = h->next;
+    if (h)
+        __atomic_add_fetch(&h->refs, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_unlock(&NWT.lock);
+    return h;
+}
+
+static struct nw *nw_unlink(uint64_t fh) {
+    pthread_mutex_lock(&NWT.lock);
+    struct nw **p = &NWT.buckets[fh % NH_BUCKETS];
+    while (*p && (*p)->fh != fh)
+        p = &(*p)->next;
+    struct nw *h = *p;
+    if (h) {
+        *p = h->next;
+        __atomic_sub_fetch(&NWT.count, 1, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&NWT.lock);
+    return h;
+}
+
+static void nw_stop_locked(struct nw *h) {
+    if (h->active) {
+        __atomic_store_n(&h->active, 0, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&h->cond);
+    }
+}
+
+/* Encode frame i, whose state the caller set to WF_ENCODING (counted in pending). Called and returns with h->lock
+ * held; drops it while choosing and encoding. */
+static void nw_encode(struct nw *h, uint32_t i) {
+    while (h->chosen == 0) {   /* the first frame encoded chooses the file's codec, as in EncodingPolicy.encode */
+        if (h->choosing) {
+            pthread_cond_wait(&h->cond, &h->lock);
+            continue;
+        }
+        h->choosing = 1;
+        const uint8_t *raw = h->frames[i].raw;
+        uint32_t len = h->frames[i].len;
+        pthread_mutex_unlock(&h->lock);
+        int c = choose_codec(raw, len, h->cands, h->n_cands, h->auto_mode);
+        pthread_mutex_lock(&h->lock);
+        h->choosing = 0;
+        if (c >= 0 && c < h->n_cands) {
+            h->codec = h->cands[3 * c];
+            h->transform = h->cands[3 * c + 1];
+            h->param = h->cands[3 * c + 2];
+            h->chosen = 1;
+        } else if (c == -1) {   /* incompressible: stored raw */
+            h->codec = h->transform = h->param = 0;
+            h->chosen = 1;
+        } else {
+            h->chosen = -1;     /* no memory, or a candidate the kernel cannot code: Python chooses and encodes */
+        }
+        pthread_cond_broadcast(&h->cond);
+    }
+    kvf_frame_t f;
+    int rc = -1;
+    uint8_t *dst = NULL;
+    if (h->chosen > 0) {
+        const uint8_t *raw = h->frames[i].raw;
+        uint32_t len = h->frames[i].len;
+        int codec = h->codec, transform = h->transform, param = h->param;
+        pthread_mutex_unlock(&h->lock);
+        size_t cap = encode_bound(len);
+        dst = malloc(cap);
+        if (dst)
+            rc = encode_frame(raw, len, codec, transform, param, dst, cap, &f);
+        if (rc == 0 && !(f.flags & FRAME_HOLE_FLAG) && f.codec != 0) {
+            uint8_t *shrunk = realloc(dst, f.stored_len ? f.stored_len : 1);
+            if (shrunk)
+                dst = shrunk;
+        } else {
+            free(dst);
+            dst = NULL;
+        }
+        pthread_mutex_lock(&h->lock);
+    }
+    struct wframe *fr = &h->frames[i];
+    fr->state = WF_DONE;
+    fr->encoded = rc == 0;
+    if (rc == 0) {
+        fr->f = f;
+        fr->payload = dst;
+        ADD(NWC.frames, 1);
+    }
+    h->pending--;
+    pthread_cond_broadcast(&h->cond);
+}
+
+static void *encoder_thread(void *arg) {
+    (void)arg;
+    for (;;) {
+        pthread_mutex_lock(&EP.lock);
+        while (EP.head == NULL && !EP.stop)
+            pthread_cond_wait(&EP.cond, &EP.lock);
+        if (EP.head == NULL) {   /* stopping, nothing left */
+            pthread_mutex_unlock(&EP.lock);
+            return NULL;
+        }
+        struct nw_job *j = EP.head;
+        EP.head = j->next;
+        if (EP.head == NULL)
+            EP.tail = NULL;
+        pthread_mutex_unlock(&EP.lock);
+        struct nw *h = j->h;
+        uint32_t i = j->i;
+        free(j);
+        pthread_mutex_lock(&h->lock);
+        if (i < h->n_frames && h->frames[i].state == WF_QUEUED) {   /* else a FLUSH encoded it meanwhile */
+            h->frames[i].state = WF_ENCODING;
+            nw_encode(h, i);
+        }
+        pthread_mutex_unlock(&h->lock);
+        nw_put(h);
+    }
+}
+
+/* Frame i is full: queue it to the encoders (h->lock held). Without memory for the job it stays unencoded here
+ * (FLUSH encodes it, or Python at its commit). */
+static void nw_queue(struct nw *h, uint32_t i) {
+    struct nw_job *j = malloc(sizeof(*j));
+    if (j == NULL)
+        return;
+    j->next = NULL;
+    j->h = h;
+    j->i = i;
+    __atomic_add_fetch(&h->refs, 1, __ATOMIC_ACQ_REL);
+    h->frames[i].state = WF_QUEUED;
+    h->pending++;
+    pthread_mutex_lock(&EP.lock);
+    if (EP.tail)
+        EP.tail->next = j;
+    else
+        EP.head = j;
+    EP.tail = j;
+    pthread_cond_signal(&EP.cond);
+    pthread_mutex_unlock(&EP.lock);
+}
+
+enum { NW_TAKEN = 0, NW_PYTHON = 1 };
+
+/* A WRITE of [off, off+size) on handle h: NW_TAKEN when its bytes are in the frames (the caller answers it), else
+ * NW_PYTHON (the handle is stopped when it was still active: Python takes it over before this WRITE). */
+static int nw_accept(struct nw *h, const char *buf, size_t size, int64_t off) {
+    pthread_mutex_lock(&h->lock);
+    for (;;) {
+        if (!h->active) {
+            pthread_mutex_unlock(&h->lock);
+            return NW_PYTHON;
+        }
+        if (off < 0 || (uint64_t)off != h->size || size == 0 || size > NW_MAX_FILE - h->size) {
+            nw_stop_locked(h);   /* not the next bytes in order: Python goes on from what is here */
+            ADD(NWC.fallbacks, 1);
+            pthread_mutex_unlock(&h->lock);
+            return NW_PYTHON;
+        }
+        if (h->pending < NW_MAX_PENDING)
+            break;
+        pthread_cond_wait(&h->cond, &h->lock);   /* the encoders are behind: wait for one frame */
+    }
+    uint64_t F = h->frame_size, start = h->size, end = start + size;
+    uint64_t need = (end + F - 1) / F, add = need - h->n_frames;
+    if (add) {
+        if (!budget_take(add * F)) {
+            nw_stop_locked(h);   /* Python's write answers ENOSPC: the budget counts these frames */
+            ADD(NWC.budget_fallbacks, 1);
+            pthread_mutex_unlock(&h->lock);
+            return NW_PYTHON;
+        }
+        uint32_t old = h->n_frames, k;
+        if (need > h->cap_frames) {
+            uint64_t cap = h->cap_frames ? (uint64_t)h->cap_frames * 2 : 4;
+            while (cap < need)
+                cap *= 2;
+            struct wframe *grown = cap <= UINT32_MAX ? realloc(h->frames, cap * sizeof(*grown)) : NULL;
+            if (grown == NULL)
+                goto nomem;
+            h->frames = grown;
+            h->cap_frames = (uint32_t)cap;
+        }
+        for (k = old; k < need; k++) {
+            memset(&h->frames[k], 0, sizeof(h->frames[k]));
+            h->frames[k].raw = malloc(F);
+            if (h->frames[k].raw == NULL) {
+                while (k-- > old)
+                    free(h->frames[k].raw);
+                goto nomem;
+            }
+        }
+        h->n_frames = (uint32_t)need;
+    }
+    const char *p = buf;
+    for (uint64_t pos = start; pos < end;) {
+        uint64_t i = pos / F, fo = pos % F, n = F - fo < end - pos ? F - fo : end - pos;
+        struct wframe *fr = &h->frames[i];
+        memcpy(fr->raw + fo, p, n);
+        fr->len = (uint32_t)(fo + n);
+        if (fr->len == F)
+            nw_queue(h, (uint32_t)i);
+        pos += n;
+        p += n;
+    }
+    __atomic_store_n(&h->size, end, __ATOMIC_RELAXED);
+    __atomic_store_n(&h->writes, h->writes + 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&h->last_write_ns, realtime_ns(), __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&h->lock);
+    return NW_TAKEN;
+nomem:
+    budget_give(add * F);
+    nw_stop_locked(h);
+    ADD(NWC.fallbacks, 1);
+    pthread_mutex_unlock(&h->lock);
+    return NW_PYTHON;
+}
+
+/* Stop h and encode what is left: the frames not queued (the last one) here, beside the encoders, and the queued
+ * ones no encoder has started; then wait for those in flight. FLUSH, fsync and RELEASE do this in their worker
+ * before they are queued to Python; native_write_take(block) too. */
+static void nw_finish(struct nw *h) {
+    pthread_mutex_lock(&h->lock);
+    nw_stop_locked(h);
+    if (!h->finished) {
+        for (uint32_t i = 0; i < h->n_frames; i++) {   /* no WRITE is taken any more: the array stays */
+            struct wframe *fr = &h->frames[i];
+            if (fr->state == WF_FILLING && fr->len > 0) {
+                fr->state = WF_ENCODING;
+                h->pending++;
+                nw_encode(h, i);
+            } else if (fr->state == WF_QUEUED) {
+                fr->state = WF_ENCODING;   /* its job finds it taken */
+                nw_encode(h, i);
+            }
+        }
+        while (h->pending > 0)
+            pthread_cond_wait(&h->cond, &h->lock);
+        h->finished = 1;
+    }
+    pthread_mutex_unlock(&h->lock);
+}
+
+/* a WRITE in a libfuse worker: NW_TAKEN when answered here */
+static int native_write(fuse_req_t req, uint64_t fh, const char *buf, size_t size, off_t off) {
+    if (__atomic_load_n(&NWT.count, __ATOMIC_RELAXED) == 0)   /* no native writer: no lock taken */
+        return NW_PYTHON;
+    struct nw *h = nw_get(fh);
+    if (h == NULL)
+        return NW_PYTHON;
+    uint64_t t0 = now_ns();
+    int res = nw_accept(h, buf, size, (int64_t)off);
+    nw_put(h);
+    if (res == NW_TAKEN) {   /* counted before the answer: a stats read the writer makes next finds it */
+        ADD(NWC.writes, 1);
+        ADD(NWC.bytes, size);
+        uint64_t dt = now_ns() - t0;
+        int b = 0;
+        while (b < n_lat && dt > lat_bounds_ns[b])
+            b++;
+        ADD(NWC.lat[b], 1);
+        ADD(NWC.lat_sum_ns, dt);
+        fuse_reply_write(req, size);
+    }
+    return res;
+}
+
+/* FLUSH, fsync, RELEASE of a native writer: finish it before Python sees the request */
+static void native_write_finish(uint64_t fh) {
+    if (__atomic_load_n(&NWT.count, __ATOMIC_RELAXED) == 0)
+        return;
+    struct nw *h = nw_get(fh);
+    if (h) {
+        nw_finish(h);
+        nw_put(h);
+    }
+}
+
+static void native_write_close_all(void) {
+    pthread_mutex_lock(&EP.lock);   /* the encoders end (each after its frame); queued frames are dropped */
+    EP.stop = 1;
+    pthread_cond_broadcast(&EP.cond);
+    int n = EP.n_threads;
+    pthread_mutex_unlock(&EP.lock);
+    for (int i = 0; i < n; i++)
+        pthread_join(EP.threads[i], NULL);
+    pthread_mutex_lock(&EP.lock);
+    struct nw_job *j = EP.head;
+    EP.head = EP.tail = NULL;
+    EP.n_threads = 0;
+    EP.stop = 0;
+    pthread_mutex_unlock(&EP.lock);
+    while (j) {
+        struct nw_job *next = j->next;
+        nw_put(j->h);
+        free(j);
+        j = next;
+    }
+    pthread_mutex_lock(&NWT.lock);
+    struct nw *all = NULL;
+    for (int i = 0; i < NH_BUCKETS; i++) {
+        while (NWT.buckets[i]) {
+            struct nw *h = NWT.buckets[i];
+            NWT.buckets[i] = h->next;
+            h->next = all;
+            all = h;
+        }
+    }
+    __atomic_store_n(&NWT.count, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&NWT.lock);
+    while (all) {
+        struct nw *next = all->next;
+        nw_put(all);
+        all = next;
+    }
+}
+
 #define FI(k, fi) do { if (fi) { (k)->fh = (fi)->fh; (k)->has_fh = 1; (k)->flags = (fi)->flags; } } while (0)
 
 static void ll_init(void *userdata, struct fuse_conn_info *conn) {
@@ -579,24 +1033,29 @@ static void ll_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
 
 static void ll_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
                      struct fuse_file_info *fi) {
+    if (native_write(req, fi->fh, buf, size, off) == NW_TAKEN)
+        return;
     struct kreq *k = kreq_new(OP_WRITE, req, NULL, NULL, buf, size);
     if (k) { k->ino = ino; FI(k, fi); k->size = size; k->off = off; }
     submit(k, req);
 }
 
 static void ll_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    native_write_finish(fi->fh);   /* a native writer's frames are all encoded before Python sees the request */
     struct kreq *k = kreq_new(OP_FLUSH, req, NULL, NULL, NULL, 0);
     if (k) { k->ino = ino; FI(k, fi); }
     submit(k, req);
 }
 
 static void ll_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    native_write_finish(fi->fh);   /* a native writer's frames are all encoded before Python sees the request */
     struct kreq *k = kreq_new(OP_RELEASE, req, NULL, NULL, NULL, 0);
     if (k) { k->ino = ino; FI(k, fi); }
     submit(k, req);
 }
 
 static void ll_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi) {
+    native_write_finish(fi->fh);
     struct kreq *k = kreq_new(OP_FSYNC, req, NULL, NULL, NULL, 0);
     if (k) { k->ino = ino; FI(k, fi); k->flags = (uint32_t)datasync; }
     submit(k, req);
@@ -1227,6 +1686,7 @@ static PyObject *m_close(PyObject *self, PyObject *args) {
         k = next;
     }
     native_close_all();   /* no worker is left to read: every fd goes */
+    native_write_close_all();   /* the encoders end; writers Python did not take are dropped */
     Py_RETURN_NONE;
 }
 
@@ -1412,7 +1872,9 @@ static PyObject *m_native_disable(PyObject *self, PyObject *args) {
 }
 
 /* native_take() -> the counters since the last call: {reads, bytes, frames, cache_hits, fallbacks, corrupt,
- * stored: (per tier), latency: (per bucket, the last +Inf), latency_sum_s, handles} */
+ * stored: (per tier), latency: (per bucket, the last +Inf), latency_sum_s, handles} and the native writes':
+ * {writes, write_bytes, frames_encoded, write_fallbacks, write_budget_fallbacks, writers_taken, write_latency,
+ * write_latency_sum_s, writers, write_held_bytes} */
 static PyObject *m_native_take(PyObject *self, PyObject *unused) {
     PyObject *stored = PyTuple_New(MAX_TIERS), *lat = PyTuple_New(n_lat + 1);
     if (stored == NULL || lat == NULL) {
@@ -1427,10 +1889,26 @@ static PyObject *m_native_take(PyObject *self, PyObject *unused) {
     unsigned long long reads = TAKE(NC.reads), bytes = TAKE(NC.bytes), frames = TAKE(NC.frames);
     unsigned long long hits = TAKE(NC.cache_hits), fb = TAKE(NC.fallbacks), bad = TAKE(NC.corrupt);
     double sum = (double)TAKE(NC.lat_sum_ns) / 1e9;
-    return Py_BuildValue("{sKsKsKsKsKsKsNsNsdsn}", "reads", reads, "bytes", bytes, "frames", frames,
+    PyObject *wlat = PyTuple_New(n_lat + 1);
+    if (wlat == NULL) {
+        Py_DECREF(stored);
+        Py_DECREF(lat);
+        return NULL;
+    }
+    for (int i = 0; i <= n_lat; i++)
+        PyTuple_SET_ITEM(wlat, i, PyLong_FromUnsignedLongLong(TAKE(NWC.lat[i])));
+    unsigned long long w = TAKE(NWC.writes), wb = TAKE(NWC.bytes), wf = TAKE(NWC.frames);
+    unsigned long long wfb = TAKE(NWC.fallbacks), wbud = TAKE(NWC.budget_fallbacks), wt = TAKE(NWC.handles_taken);
+    double wsum = (double)TAKE(NWC.lat_sum_ns) / 1e9;
+    return Py_BuildValue("{sKsKsKsKsKsKsNsNsdsnsKsKsKsKsKsKsNsdsnsK}", "reads", reads, "bytes", bytes, "frames", frames,
                          "cache_hits", hits, "fallbacks", fb, "corrupt", bad, "stored", stored, "latency", lat,
                          "latency_sum_s", sum, "handles",
-                         (Py_ssize_t)__atomic_load_n(&NT.count, __ATOMIC_RELAXED));
+                         (Py_ssize_t)__atomic_load_n(&NT.count, __ATOMIC_RELAXED),
+                         "writes", w, "write_bytes", wb, "frames_encoded", wf, "write_fallbacks", wfb,
+                         "write_budget_fallbacks", wbud, "writers_taken", wt, "write_latency", wlat,
+                         "write_latency_sum_s", wsum, "writers",
+                         (Py_ssize_t)__atomic_load_n(&NWT.count, __ATOMIC_RELAXED),
+                         "write_held_bytes", (unsigned long long)__atomic_load_n(&NB.held, __ATOMIC_RELAXED));
 }
 
 /* native_pread(fh, off, size) -> the bytes as a READ would be answered natively; None when Python would serve
@@ -1474,6 +1952,323 @@ static PyObject *m_native_pread(PyObject *self, PyObject *args) {
     return r;
 }
 
+/* ---- native writes: what Python calls (GIL held; waits release it) ------------------------------------------- */
+
+/* A buffer of this module handed to Python without a copy: a raw frame or a payload, read-only, freed with it. */
+typedef struct {
+    PyObject_HEAD
+    uint8_t *p;
+    Py_ssize_t len;
+} OwnedObject;
+
+static void Owned_dealloc(OwnedObject *o) {
+    free(o->p);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static int Owned_getbuffer(OwnedObject *o, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)o, o->p ? (void *)o->p : (void *)"", o->len, 1, flags);
+}
+
+static Py_ssize_t Owned_length(OwnedObject *o) { return o->len; }
+
+static PyBufferProcs Owned_as_buffer = {(getbufferproc)Owned_getbuffer, NULL};
+static PySequenceMethods Owned_as_sequence = {.sq_length = (lenfunc)Owned_length};
+
+static PyTypeObject OwnedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfs.frontend._loop.Owned",
+    .tp_basicsize = sizeof(OwnedObject),
+    .tp_dealloc = (destructor)Owned_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Bytes the native front end handed over (a frame, a payload): read-only, freed with this object.",
+    .tp_as_buffer = &Owned_as_buffer,
+    .tp_as_sequence = &Owned_as_sequence,
+};
+
+/* an Owned of p[0, len) (p is its own from now on, even on failure) */
+static PyObject *owned(uint8_t *p, size_t len) {
+    OwnedObject *o = PyObject_New(OwnedObject, &OwnedType);
+    if (o == NULL) {
+        free(p);
+        return NULL;
+    }
+    o->p = p;
+    o->len = (Py_ssize_t)len;
+    return (PyObject *)o;
+}
+
+static void *start_encoder(void) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);   /* the encoders take no process signals */
+    pthread_t t;
+    int err = pthread_create(&t, NULL, encoder_thread, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err)
+        return NULL;
+    EP.threads[EP.n_threads++] = t;
+    return (void *)1;
+}
+
+static int set_latency_bounds(PyObject *bounds) {
+    Py_ssize_t n = PyTuple_GET_SIZE(bounds);
+    if (n > MAX_LAT) {
+        PyErr_SetString(PyExc_ValueError, "too many latency buckets");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, i));
+        if (v == -1.0 && PyErr_Occurred())
+            return -1;
+        lat_bounds_ns[i] = v <= 0 ? 0 : (uint64_t)(v * 1e9);
+    }
+    n_lat = (int)n;
+    return 0;
+}
+
+/* set_writer(kvfs_encode_frame, kvfs_choose, kvfs_encode_bound addresses, encoder threads, latency bucket bounds
+ * in seconds) */
+static PyObject *m_set_writer(PyObject *self, PyObject *args) {
+    unsigned long long enc, cho, bnd;
+    int threads;
+    PyObject *bounds;
+    if (!PyArg_ParseTuple(args, "KKKiO!", &enc, &cho, &bnd, &threads, &PyTuple_Type, &bounds))
+        return NULL;
+    if (threads < 1 || threads > NW_MAX_ENCODERS) {
+        PyErr_SetString(PyExc_ValueError, "encoder threads out of range");
+        return NULL;
+    }
+    if (set_latency_bounds(bounds) < 0)
+        return NULL;
+    encode_frame = (encode_frame_fn)(uintptr_t)enc;
+    choose_codec = (choose_fn)(uintptr_t)cho;
+    encode_bound = (bound_fn)(uintptr_t)bnd;
+    pthread_mutex_lock(&EP.lock);
+    EP.want = threads;
+    pthread_mutex_unlock(&EP.lock);
+    Py_RETURN_NONE;
+}
+
+/* native_write_budget(limit, python_used) -> bytes of raw frames held here */
+static PyObject *m_native_write_budget(PyObject *self, PyObject *args) {
+    unsigned long long limit, used;
+    if (!PyArg_ParseTuple(args, "KK", &limit, &used))
+        return NULL;
+    __atomic_store_n(&NB.limit, (uint64_t)limit, __ATOMIC_RELAXED);
+    __atomic_store_n(&NB.py_used, (uint64_t)used, __ATOMIC_RELAXED);
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&NB.held, __ATOMIC_RELAXED));
+}
+
+static PyObject *m_native_write_held(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&NB.held, __ATOMIC_RELAXED));
+}
+
+/* native_write_open(fh, ino, frame_size, candidates, auto): WRITEs of fh in order are taken here from now on.
+ * candidates: (codec, transform, param) triples as int32 (the file's policy; one triple: the codec is known). */
+static PyObject *m_native_write_open(PyObject *self, PyObject *args) {
+    unsigned long long fh, ino;
+    unsigned int frame_size;
+    Py_buffer cands;
+    int auto_mode;
+    if (!PyArg_ParseTuple(args, "KKIy*p", &fh, &ino, &frame_size, &cands, &auto_mode))
+        return NULL;
+    const char *why = NULL;
+    Py_ssize_t n = cands.len / (Py_ssize_t)(3 * sizeof(int32_t));
+    if (encode_frame == NULL || choose_codec == NULL || encode_bound == NULL)
+        why = "no frame encoder (set_writer)";
+    else if (frame_size == 0 || frame_size > (64u << 20))
+        why = "frame size out of range";
+    else if (n < 1 || n > NW_MAX_CANDS || cands.len != n * (Py_ssize_t)(3 * sizeof(int32_t)))
+        why = "candidates must be 1 to 8 (codec, transform, param) int32 triples";
+    if (why) {
+        PyBuffer_Release(&cands);
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    pthread_mutex_lock(&EP.lock);
+    int started = 1;
+    while (EP.n_threads < EP.want && !EP.stop && started)
+        started = start_encoder() != NULL;
+    int have = EP.n_threads;
+    pthread_mutex_unlock(&EP.lock);
+    struct nw *h = have ? calloc(1, sizeof(*h)) : NULL;
+    if (h == NULL) {
+        PyBuffer_Release(&cands);
+        PyErr_SetString(PyExc_MemoryError, have ? "no memory for a native writer" : "no encoder thread started");
+        return NULL;
+    }
+    memcpy(h->cands, cands.buf, (size_t)cands.len);
+    PyBuffer_Release(&cands);
+    h->n_cands = (int)n;
+    h->auto_mode = auto_mode;
+    if (n == 1) {   /* one candidate: EncodingPolicy._choose takes it without a trial */
+        h->codec = h->cands[0];
+        h->transform = h->cands[1];
+        h->param = h->cands[2];
+        h->chosen = 1;
+    }
+    h->fh = fh;
+    h->ino = ino;
+    h->frame_size = frame_size;
+    h->active = 1;
+    h->refs = 1;
+    pthread_mutex_init(&h->lock, NULL);
+    pthread_cond_init(&h->cond, NULL);
+    struct nw *old = nw_unlink(fh);   /* an fh is never given out twice; should one be, the new one wins */
+    if (old) {
+        Py_BEGIN_ALLOW_THREADS
+        nw_finish(old);
+        Py_END_ALLOW_THREADS
+        nw_put(old);
+    }
+    pthread_mutex_lock(&NWT.lock);
+    h->next = NWT.buckets[fh % NH_BUCKETS];
+    NWT.buckets[fh % NH_BUCKETS] = h;
+    __atomic_add_fetch(&NWT.count, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&NWT.lock);
+    Py_RETURN_NONE;
+}
+
+/* native_write_state(fh) -> (bytes written, WRITEs taken, the last one's time in ns since the epoch, active) or
+ * None: what Python's attributes of the file show while the handle writes here */
+static PyObject *m_native_write_state(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    if (!PyArg_ParseTuple(args, "K", &fh))
+        return NULL;
+    if (__atomic_load_n(&NWT.count, __ATOMIC_RELAXED) == 0)
+        Py_RETURN_NONE;
+    struct nw *h = nw_get(fh);
+    if (h == NULL)
+        Py_RETURN_NONE;
+    PyObject *r = Py_BuildValue("(KKKO)", (unsigned long long)__atomic_load_n(&h->size, __ATOMIC_RELAXED),
+                                (unsigned long long)__atomic_load_n(&h->writes, __ATOMIC_RELAXED),
+                                (unsigned long long)__atomic_load_n(&h->last_write_ns, __ATOMIC_RELAXED),
+                                __atomic_load_n(&h->active, __ATOMIC_ACQUIRE) ? Py_True : Py_False);
+    nw_put(h);
+    return r;
+}
+
+/* native_write_take(fh, block) -> the handle's content, handed over to Python; None for a handle not here; False
+ * when frames are still being encoded and block is false (the handle is stopped either way: WRITEs go to Python).
+ * With block, what is left is encoded first (as at FLUSH), the GIL released. The content:
+ * (size, writes, last_write_ns, choice, frames): choice (codec, transform, param) or None; frames: per frame
+ * (raw, length, encoding): raw an Owned of frame_size bytes (zero past length), encoding None or
+ * (payload: an Owned or None for a hole or a frame stored raw, stored_len, codec, transform, flags, stored_xxh3,
+ * raw_xxh3). */
+static PyObject *m_native_write_take(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    int block;
+    if (!PyArg_ParseTuple(args, "Kp", &fh, &block))
+        return NULL;
+    struct nw *h = nw_get(fh);
+    if (h == NULL)
+        Py_RETURN_NONE;
+    int ready;
+    Py_BEGIN_ALLOW_THREADS
+    if (block)
+        nw_finish(h);
+    pthread_mutex_lock(&h->lock);
+    nw_stop_locked(h);
+    ready = h->pending == 0;
+    pthread_mutex_unlock(&h->lock);
+    Py_END_ALLOW_THREADS
+    if (!ready) {
+        nw_put(h);
+        Py_RETURN_FALSE;
+    }
+    struct nw *unlinked = nw_unlink(fh);
+    if (unlinked != h) {   /* taken by another call meanwhile */
+        if (unlinked)
+            nw_put(unlinked);
+        nw_put(h);
+        Py_RETURN_NONE;
+    }
+    nw_put(unlinked);   /* the table's reference; ours keeps it */
+    pthread_mutex_lock(&h->lock);   /* nothing else touches it now: stopped, nothing in flight, out of the table */
+    uint32_t n = h->n_frames;
+    PyObject *frames = PyList_New(n), *result = NULL;
+    for (uint32_t i = 0; frames && i < n; i++) {
+        struct wframe *fr = &h->frames[i];
+        PyObject *enc, *raw, *item;
+        if (fr->encoded) {
+            PyObject *payload = fr->payload ? owned(fr->payload, fr->f.stored_len) : Py_NewRef(Py_None);
+            fr->payload = NULL;
+            enc = payload ? Py_BuildValue("(NIBBHKK)", payload, fr->f.stored_len, fr->f.codec, fr->f.transform,
+                                          fr->f.flags, (unsigned long long)fr->f.stored_xxh3,
+                                          (unsigned long long)fr->f.raw_xxh3) : NULL;
+        } else {
+            enc = Py_NewRef(Py_None);
+        }
+        if (fr->len < h->frame_size)   /* OpenFile's invariant: a dirty frame reads zeros past the file's end */
+            memset(fr->raw + fr->len, 0, h->frame_size - fr->len);
+        raw = owned(fr->raw, h->frame_size);
+        fr->raw = NULL;
+        if (enc == NULL || raw == NULL) {
+            Py_XDECREF(enc);
+            Py_XDECREF(raw);
+            Py_CLEAR(frames);
+            break;
+        }
+        item = Py_BuildValue("(NIN)", raw, fr->len, enc);
+        if (item == NULL) {
+            Py_CLEAR(frames);
+            break;
+        }
+        PyList_SET_ITEM(frames, i, item);
+    }
+    /* the raw frames leave this module's budget (Python's counts them from now on), whatever happened */
+    budget_give((uint64_t)n * h->frame_size);
+    for (uint32_t i = 0; i < n; i++) {
+        free(h->frames[i].raw);
+        free(h->frames[i].payload);
+    }
+    h->n_frames = 0;
+    if (frames) {
+        PyObject *choice = h->chosen > 0 ? Py_BuildValue("(iii)", h->codec, h->transform, h->param)
+                                         : Py_NewRef(Py_None);
+        if (choice)
+            result = Py_BuildValue("(KKKNN)", (unsigned long long)h->size, (unsigned long long)h->writes,
+                                   (unsigned long long)h->last_write_ns, choice, frames);
+        else
+            Py_DECREF(frames);
+    }
+    pthread_mutex_unlock(&h->lock);
+    ADD(NWC.handles_taken, 1);
+    nw_put(h);
+    return result;
+}
+
+/* native_write_pwrite(fh, off, data) -> True when taken as a WRITE would be natively (False: Python's); tests */
+static PyObject *m_native_write_pwrite(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    long long off;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "KLy*", &fh, &off, &data))
+        return NULL;
+    int res = NW_PYTHON;
+    Py_BEGIN_ALLOW_THREADS
+    struct nw *h = nw_get(fh);
+    if (h) {
+        res = nw_accept(h, data.buf, (size_t)data.len, off);
+        nw_put(h);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyBool_FromLong(res == NW_TAKEN);
+}
+
+/* native_write_finish(fh): what FLUSH does to a native writer before Python sees it; tests */
+static PyObject *m_native_write_finish(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    if (!PyArg_ParseTuple(args, "K", &fh))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    native_write_finish(fh);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *m_running(PyObject *self, PyObject *unused) { return PyBool_FromLong(S.running); }
 
 static PyMethodDef module_methods[] = {
@@ -1497,6 +2292,20 @@ static PyMethodDef module_methods[] = {
     {"native_disable", m_native_disable, METH_VARARGS, "native_disable(ino): its handles' reads go to Python"},
     {"native_take", m_native_take, METH_NOARGS, "the native read counters since the last call"},
     {"native_pread", m_native_pread, METH_VARARGS, "native_pread(fh, off, size): a native read, for tests"},
+    {"set_writer", m_set_writer, METH_VARARGS,
+     "set_writer(kvfs_encode_frame, kvfs_choose, kvfs_encode_bound addresses, encoder threads)"},
+    {"native_write_open", m_native_write_open, METH_VARARGS,
+     "native_write_open(fh, ino, frame_size, candidates, auto): WRITEs of fh in order are taken in C from now on"},
+    {"native_write_take", m_native_write_take, METH_VARARGS,
+     "native_write_take(fh, block) -> a native writer's content handed to Python (None: not one; False: busy)"},
+    {"native_write_state", m_native_write_state, METH_VARARGS,
+     "native_write_state(fh) -> (size, writes, last_write_ns, active) of a native writer, or None"},
+    {"native_write_budget", m_native_write_budget, METH_VARARGS,
+     "native_write_budget(limit, python_used) -> bytes of raw frames held by native writers"},
+    {"native_write_held", m_native_write_held, METH_NOARGS, "bytes of raw frames held by native writers"},
+    {"native_write_pwrite", m_native_write_pwrite, METH_VARARGS,
+     "native_write_pwrite(fh, off, data) -> True when taken natively; tests"},
+    {"native_write_finish", m_native_write_finish, METH_VARARGS, "native_write_finish(fh): as at FLUSH; tests"},
     {NULL}
 };
 
@@ -1506,11 +2315,15 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_loop", "kvfs native
 PyMODINIT_FUNC PyInit__loop(void) {
     if (PyType_Ready(&RequestType) < 0)
         return NULL;
+    if (PyType_Ready(&OwnedType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     Py_INCREF(&RequestType);
     PyModule_AddObject(m, "Request", (PyObject *)&RequestType);
+    Py_INCREF(&OwnedType);
+    PyModule_AddObject(m, "Owned", (PyObject *)&OwnedType);
 #define OPC(n) PyModule_AddIntConstant(m, #n, n)
     OPC(OP_INIT); OPC(OP_LOOKUP); OPC(OP_FORGET); OPC(OP_GETATTR); OPC(OP_SETATTR); OPC(OP_READLINK);
     OPC(OP_MKNOD); OPC(OP_MKDIR); OPC(OP_UNLINK); OPC(OP_RMDIR); OPC(OP_SYMLINK); OPC(OP_RENAME); OPC(OP_LINK);

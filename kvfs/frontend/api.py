@@ -6,13 +6,14 @@ replaced. The value types are in types.py.
 from __future__ import annotations
 
 from . import bridge
-from .bridge import close, init, invalidate_entry, invalidate_inode, main, notify_store, readdir_reply, terminate
+from .bridge import (close, init, invalidate_entry, invalidate_inode, main, native_counts, notify_store, readdir_reply,
+                     terminate)
 from .types import (ENOATTR, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, EntryAttributes, FileInfo, FUSEError,
                     Operations, RequestContext, SetattrFields, StatvfsData, default_options)
 
 __all__ = ["ENOATTR", "RENAME_EXCHANGE", "RENAME_NOREPLACE", "ROOT_INODE", "EntryAttributes", "FileInfo",
            "FUSEError", "Operations", "RequestContext", "SetattrFields", "StatvfsData", "close", "default_options",
-           "init", "invalidate_entry", "invalidate_inode", "main", "native", "notify_store", "readdir_reply",
+           "init", "invalidate_entry", "invalidate_inode", "main", "native", "native_counts", "notify_store", "readdir_reply",
            "terminate"]
 
 # READ of committed objects served in the C threads (kvfs/fs.py decides per open file); None with

@@ -16,7 +16,7 @@ import time
 
 import trio
 
-from . import _loop
+from . import _loop, native_write
 from .types import (FUSEError, EntryAttributes, ReaddirToken, RequestContext, SetattrFields, entry_tuple,
                     statvfs_tuple)
 
@@ -30,6 +30,7 @@ NATIVE_READS = os.environ.get("KVFS_NATIVE_READS", "1") != "0"
 
 _ops = None
 _mounted = False
+_writes = None  # native_write.NativeWrites: WRITE of files written in order taken in the C threads
 
 
 def init(ops, mountpoint: str, options) -> None:
@@ -39,10 +40,14 @@ def init(ops, mountpoint: str, options) -> None:
                 export_support=bool(getattr(ops, "supports_dot_lookup", True)),
                 writeback_cache=bool(getattr(ops, "enable_writeback_cache", False)),
                 acl=bool(getattr(ops, "enable_acl", False)))
+    global _writes
     _ops = ops
     _mounted = True
     if NATIVE_READS:
         _set_reader()
+    _writes = None
+    if native_write.ENABLED and hasattr(ops, "dirty_budget"):
+        _writes = native_write.NativeWrites(ops)
 
 
 def _set_reader() -> None:
@@ -103,6 +108,8 @@ async def main(max_threads: int = MAX_THREADS, clone_fd: bool = CLONE_FD) -> Non
             _loop.exit()
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_loop.join)
+            if _writes is not None:  # what native writers still hold goes into their files (commit_all)
+                await _writes.settle_all()
 
 
 def _ctx(r) -> RequestContext:
@@ -117,6 +124,7 @@ def _check(ret: int, r) -> None:
 class Dispatch:
     def __init__(self, ops) -> None:
         self.ops = ops
+        self.writes = _writes  # native writers: taken back into Python before their file is touched otherwise
         L = _loop
         self.handlers = {
             L.OP_LOOKUP: self.lookup, L.OP_FORGET: self.forget, L.OP_GETATTR: self.getattr,
@@ -158,6 +166,8 @@ class Dispatch:
 
     # -- names and attributes ------------------------------------------------------------------------
     async def lookup(self, r):
+        if self.writes is not None and self.writes.writers:
+            self.writes.sync()
         a = await self._method("lookup")(r.ino, r.name, _ctx(r))
         _check(r.reply_entry(entry_tuple(a)), r)
 
@@ -165,6 +175,8 @@ class Dispatch:
         await self._method("forget")(r.forgets)
 
     async def getattr(self, r):
+        if self.writes is not None and self.writes.writers:
+            self.writes.sync(r.ino)
         a = await self._method("getattr")(r.ino, _ctx(r))
         _check(r.reply_attr(entry_tuple(a)), r)
 
@@ -192,6 +204,8 @@ class Dispatch:
         fields.update_uid = bool(to_set & L.FUSE_SET_ATTR_UID)
         fields.update_gid = bool(to_set & L.FUSE_SET_ATTR_GID)
         fields.update_size = bool(to_set & L.FUSE_SET_ATTR_SIZE)
+        if self.writes is not None and self.writes.writers:
+            await self.writes.settle_ino(r.ino)
         a = await self._method("setattr")(r.ino, attr, fields, r.fh if r.has_fh else None, _ctx(r))
         _check(r.reply_attr(entry_tuple(a)), r)
 
@@ -233,12 +247,18 @@ class Dispatch:
 
     # -- files -------------------------------------------------------------------------------------------
     async def open(self, r):
+        if self.writes is not None and self.writes.writers:  # another handle: the file is Python's again
+            await self.writes.settle_ino(r.ino)
         fi = await self._method("open")(r.ino, r.flags, _ctx(r))
+        if self.writes is not None:
+            self.writes.start(fi.fh, r.flags)
         _check(r.reply_open(fi.fh, bool(fi.direct_io), bool(fi.keep_cache), bool(fi.nonseekable),
                             bool(getattr(fi, "noflush", False))), r)
 
     async def create(self, r):
         fi, a = await self._method("create")(r.ino, r.name, r.mode, r.flags, _ctx(r))
+        if self.writes is not None:
+            self.writes.start(fi.fh, r.flags)
         _check(r.reply_create(entry_tuple(a), fi.fh, bool(fi.direct_io), bool(fi.keep_cache),
                               bool(fi.nonseekable)), r)
 
@@ -255,19 +275,27 @@ class Dispatch:
         raise FUSEError(errno.EIO)
 
     async def write(self, r):
+        if self.writes is not None and r.fh in self.writes.writers:  # sent here by C: Python goes on from its frames
+            await self.writes.settle_fh(r.fh)
         # a read-only view of the request's copy of the written bytes: no second copy (openfile keeps it)
         n = await self._method("write")(r.fh, r.off, r.data)
         _check(r.reply_write(n), r)
 
     async def flush(self, r):
+        if self.writes is not None and r.fh in self.writes.writers:
+            await self.writes.settle_fh(r.fh)
         await self._method("flush")(r.fh)
         _check(r.reply_err(0), r)
 
     async def release(self, r):
+        if self.writes is not None and r.fh in self.writes.writers:
+            await self.writes.settle_fh(r.fh)
         await self._method("release")(r.fh)
         _check(r.reply_err(0), r)
 
     async def fsync(self, r):
+        if self.writes is not None and r.fh in self.writes.writers:
+            await self.writes.settle_fh(r.fh)
         await self._method("fsync")(r.fh, bool(r.flags))
         _check(r.reply_err(0), r)
 
@@ -277,6 +305,8 @@ class Dispatch:
         _check(r.reply_open(fh, False, False, False), r)
 
     async def readdirplus(self, r):
+        if self.writes is not None and self.writes.writers:
+            self.writes.sync()
         token = ReaddirToken(r, min(r.size, 1 << 20))
         await self._method("readdir")(r.fh, r.off, token)
         _check(r.reply_buf(memoryview(token.buf)[:token.used]), r)
@@ -346,3 +376,6 @@ class NativeReads:
     close = staticmethod(_loop.native_close)  # (fh) -> logical bytes its reads answered, -1: not native
     disable = staticmethod(_loop.native_disable)  # (ino): its handles' reads go to Python from now on
     take = staticmethod(_loop.native_take)  # counters since the last call (stats, metrics)
+
+
+native_counts = _loop.native_take  # what the C threads counted since the last call: native reads and writes
