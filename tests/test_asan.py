@@ -1,5 +1,5 @@
-"""The native front end's C code under AddressSanitizer: the POSIX, front-end (hostile requests), crash and
-model tests, run on mounts of the native front end built with KVFS_ASAN=1 (docs/frontend.md, "Build").
+"""The native front end's C code under AddressSanitizer: the POSIX, front-end (hostile requests), native-write,
+crash and model tests, run on mounts of the native front end built with KVFS_ASAN=1 (docs/frontend.md, "Build").
 
 The ASan build goes into a copy of the kvfs package (the checkout's own extension stays as it is), which the
 inner pytest and every daemon it starts import first (PYTHONPATH); libasan is preloaded, and any report aborts
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SUITES = ["tests/test_posix.py", "tests/test_posix_conformance.py", "tests/test_frontend.py", "tests/test_crash.py",
-          "tests/test_model.py"]
+SUITES = ["tests/test_posix.py", "tests/test_posix_conformance.py", "tests/test_frontend.py", "tests/test_native_write.py",
+          "tests/test_crash.py", "tests/test_model.py"]
 
 pytestmark = pytest.mark.slow
 

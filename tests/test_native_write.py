@@ -153,6 +153,32 @@ def test_truncate_and_fsync_during_a_native_write(native: KvfsMount):
     assert native.path("f").read_bytes() == expected
 
 
+def test_a_dtype_set_before_or_during_a_native_write(native: KvfsMount):
+    """user.kvfs.dtype set after create and before the first write: the writer starts again with the new policy;
+    set during the write: Python takes the file over and encodes it for the new policy."""
+    data = KV_FILES[0].read_bytes()
+    before = native.stats()
+    fd = os.open(native.path("early"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.setxattr(native.path("early"), "user.kvfs.dtype", b"bf16")
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    after = native.stats()
+    assert _delta(after, before, "native_write_bytes") == len(data)
+    assert native.path("early").read_bytes() == data
+    assert os.getxattr(native.path("early"), "user.kvfs.codec") == b"entropy"
+    fd = os.open(native.path("late"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data[:1_500_000])
+        os.setxattr(native.path("late"), "user.kvfs.dtype", b"int8")  # zstd on raw bytes from now on
+        os.write(fd, data[1_500_000:])
+    finally:
+        os.close(fd)
+    assert native.path("late").read_bytes() == data
+    assert os.getxattr(native.path("late"), "user.kvfs.codec") == b"zstd"
+
+
 def test_concurrent_native_writers(native: KvfsMount):
     srcs = [p.read_bytes() for p in KV_FILES]
     before = native.stats()

@@ -238,19 +238,14 @@ class Run:
         capacity = 8 * self.args.mb * 1_000_000 + (1 << 30)
         variants = [("fuse", str(REPO))] + ([("base", str(self.args.baseline))] if self.args.baseline else [])
         for target, root in variants:
-            m = Mount(self.args.kvfs, self.args.codec, self.work, self.shm, capacity, f"{target}-r{self.rnd}")
+            env = {"PYTHONPATH": root}  # the daemon imports kvfs from this checkout
+            env.update(kv.split("=", 1) for kv in self.args.daemon_env)
+            if target == "base":  # e.g. this checkout as its own baseline, with native writes off
+                env.update(kv.split("=", 1) for kv in self.args.base_env)
+            m = Mount(self.args.kvfs, self.args.codec, self.work, self.shm, capacity, f"{target}-r{self.rnd}", env=env)
             m.cmd[0:1] = [sys.executable, "-P", "-m", "kvfs"]  # -P: not the cwd first on sys.path
             m.cmd += ["--l3", "none"]
-            env = dict(os.environ)
-            os.environ["PYTHONPATH"] = root  # the daemon imports kvfs from this checkout
-            os.environ.update(kv.split("=", 1) for kv in self.args.daemon_env)
-            if target == "base":  # e.g. this checkout as its own baseline, on the other front end
-                os.environ.update(kv.split("=", 1) for kv in self.args.base_env)
-            try:
-                m.start()
-            finally:
-                os.environ.clear()
-                os.environ.update(env)
+            m.start()
             self.mounts[target] = m
             self.roots[target] = m.mountpoint
 
@@ -331,7 +326,7 @@ class Run:
         if stats0 is not None:
             c0, c1 = stats0, stats1
             for k in ("read_requests", "write_requests", "bytes_read", "bytes_written", "commits",
-                      "frames_encoded", "frames_decoded"):
+                      "frames_encoded", "frames_decoded", "native_reads", "native_writes"):
                 if k in c1:
                     rec[k] = c1[k] - c0.get(k, 0)
             reqs = rec.get(f"{arm.op}_requests", 0)

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
@@ -481,6 +483,7 @@ static bound_fn encode_bound;
 #define NW_MAX_FILE ((uint64_t)64 << 30)  /* format.MAX_FILE_SIZE: a WRITE past it goes to Python (EFBIG) */
 #define NW_MAX_ENCODERS 64
 #define FRAME_HOLE_FLAG 1
+#define CODEC_ZSTD_ID 1
 
 enum { WF_FILLING = 0, WF_QUEUED, WF_ENCODING, WF_DONE };
 
@@ -510,6 +513,7 @@ struct nw {
     int codec, transform, param;
     int n_cands, auto_mode;
     int32_t cands[3 * NW_MAX_CANDS];
+    int encode_zstd;                      /* 0: zstd frames are left to Python (python-zstandard's exact output) */
     uint64_t size, writes, last_write_ns; /* written under lock, read atomically */
 };
 
@@ -527,6 +531,7 @@ static struct {                           /* the encoder threads */
     struct nw_job *head, *tail;
     pthread_t threads[NW_MAX_ENCODERS];
     int n_threads, want, stop;
+    int nice;                             /* the encoders' nice value: the WRITE path's threads come first */
 } EP = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
 
 static struct { uint64_t limit, py_used, held; } NB = {.limit = UINT64_MAX};   /* the dirty budget (atomics) */
@@ -637,7 +642,7 @@ static void nw_encode(struct nw *h, uint32_t i) {
     kvf_frame_t f;
     int rc = -1;
     uint8_t *dst = NULL;
-    if (h->chosen > 0) {
+    if (h->chosen > 0 && (h->codec != CODEC_ZSTD_ID || h->encode_zstd)) {
         const uint8_t *raw = h->frames[i].raw;
         uint32_t len = h->frames[i].len;
         int codec = h->codec, transform = h->transform, param = h->param;
@@ -670,6 +675,8 @@ static void nw_encode(struct nw *h, uint32_t i) {
 
 static void *encoder_thread(void *arg) {
     (void)arg;
+    if (EP.nice)   /* this thread only (Linux: a thread's own nice value) */
+        (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), EP.nice);
     for (;;) {
         pthread_mutex_lock(&EP.lock);
         while (EP.head == NULL && !EP.stop)
@@ -2028,12 +2035,12 @@ static int set_latency_bounds(PyObject *bounds) {
 }
 
 /* set_writer(kvfs_encode_frame, kvfs_choose, kvfs_encode_bound addresses, encoder threads, latency bucket bounds
- * in seconds) */
+ * in seconds, encoders' nice value=0) */
 static PyObject *m_set_writer(PyObject *self, PyObject *args) {
     unsigned long long enc, cho, bnd;
-    int threads;
+    int threads, nice = 0;
     PyObject *bounds;
-    if (!PyArg_ParseTuple(args, "KKKiO!", &enc, &cho, &bnd, &threads, &PyTuple_Type, &bounds))
+    if (!PyArg_ParseTuple(args, "KKKiO!|i", &enc, &cho, &bnd, &threads, &PyTuple_Type, &bounds, &nice))
         return NULL;
     if (threads < 1 || threads > NW_MAX_ENCODERS) {
         PyErr_SetString(PyExc_ValueError, "encoder threads out of range");
@@ -2046,6 +2053,7 @@ static PyObject *m_set_writer(PyObject *self, PyObject *args) {
     encode_bound = (bound_fn)(uintptr_t)bnd;
     pthread_mutex_lock(&EP.lock);
     EP.want = threads;
+    EP.nice = nice < 0 ? 0 : nice > 19 ? 19 : nice;
     pthread_mutex_unlock(&EP.lock);
     Py_RETURN_NONE;
 }
@@ -2064,14 +2072,15 @@ static PyObject *m_native_write_held(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&NB.held, __ATOMIC_RELAXED));
 }
 
-/* native_write_open(fh, ino, frame_size, candidates, auto): WRITEs of fh in order are taken here from now on.
- * candidates: (codec, transform, param) triples as int32 (the file's policy; one triple: the codec is known). */
+/* native_write_open(fh, ino, frame_size, candidates, auto, encode_zstd=False): WRITEs of fh in order are taken
+ * here from now on. candidates: (codec, transform, param) triples as int32 (the file's policy; one triple: the
+ * codec is known). Without encode_zstd, frames whose chosen codec is zstd are left for Python to encode. */
 static PyObject *m_native_write_open(PyObject *self, PyObject *args) {
     unsigned long long fh, ino;
     unsigned int frame_size;
     Py_buffer cands;
-    int auto_mode;
-    if (!PyArg_ParseTuple(args, "KKIy*p", &fh, &ino, &frame_size, &cands, &auto_mode))
+    int auto_mode, encode_zstd = 0;
+    if (!PyArg_ParseTuple(args, "KKIy*p|p", &fh, &ino, &frame_size, &cands, &auto_mode, &encode_zstd))
         return NULL;
     const char *why = NULL;
     Py_ssize_t n = cands.len / (Py_ssize_t)(3 * sizeof(int32_t));
@@ -2102,6 +2111,7 @@ static PyObject *m_native_write_open(PyObject *self, PyObject *args) {
     PyBuffer_Release(&cands);
     h->n_cands = (int)n;
     h->auto_mode = auto_mode;
+    h->encode_zstd = encode_zstd;
     if (n == 1) {   /* one candidate: EncodingPolicy._choose takes it without a trial */
         h->codec = h->cands[0];
         h->transform = h->cands[1];

@@ -322,6 +322,8 @@ class Dispatch:
     # -- extended attributes -----------------------------------------------------------------------------
     async def setxattr(self, r):
         await self._method("setxattr")(r.ino, r.name, bytes(r.data), _ctx(r))
+        if self.writes is not None and self.writes.writers:  # user.kvfs.dtype, shape, lossy: the encoding
+            await self.writes.policy_changed(r.ino)
         _check(r.reply_err(0), r)
 
     async def getxattr(self, r):
@@ -344,6 +346,8 @@ class Dispatch:
 
     async def removexattr(self, r):
         await self._method("removexattr")(r.ino, r.name, _ctx(r))
+        if self.writes is not None and self.writes.writers:
+            await self.writes.policy_changed(r.ino)
         _check(r.reply_err(0), r)
 
 

@@ -2,10 +2,12 @@
 "Native writes"; the C side is _loop.c's "native sequential writes").
 
 A handle qualifies at create, or at an open (O_TRUNC, or an empty file), when it is write-only, the file's only
-handle and empty, and its encoding policy is lossless with candidates the codec kernel encodes (entropy, entropy8,
-stored raw, zstd with the system's libzstd). `start` registers it in C with those candidates: from then on its
+handle and empty, and its encoding policy is lossless with candidates the codec kernel codes (entropy, entropy8,
+stored raw; zstd through the system's libzstd). `start` registers it in C with those candidates: from then on its
 WRITEs in order are copied into raw frames and answered in the libfuse workers, and full frames are encoded by the
-C encoder threads (the codec chosen from the first, as EncodingPolicy._choose does).
+C encoder threads (the codec chosen from the first, as EncodingPolicy._choose does, on the same sample). Frames of a
+file whose codec is zstd are left to Python's encoder (python-zstandard: another zstd version than the system's,
+whose frames differ slightly in size) unless KVFS_NATIVE_WRITE_ZSTD=1.
 
 Python takes a handle's content back (`settle_fh`) before anything else touches the file through it or beside it:
 its FLUSH, fsync or RELEASE (the C side has encoded the last frame and waited for the others before queuing
@@ -43,6 +45,10 @@ log = logging.getLogger("kvfs.frontend")
 
 ENABLED = os.environ.get("KVFS_NATIVE_WRITES", "1") != "0"
 ENCODERS = min(64, int(os.environ.get("KVFS_NATIVE_ENCODERS", "0") or 0) or max(2, os.cpu_count() or 2))
+ENCODER_NICE = int(os.environ.get("KVFS_NATIVE_ENCODER_NICE", "0"))  # the encoder threads' nice value (0-19)
+# zstd frames encoded in C with the system's libzstd too (another version than python-zstandard's: the same
+# codec, a slightly different size); by default they are left to Python, which writes exactly what it always did
+ENCODE_ZSTD = os.environ.get("KVFS_NATIVE_WRITE_ZSTD", "0") == "1"
 
 
 def _param(codec) -> int:
@@ -87,7 +93,7 @@ class NativeWrites:
         lib = kernel.lib
         address = (lambda f: ctypes.cast(f, ctypes.c_void_p).value)
         _loop.set_writer(address(lib.kvfs_encode_frame), address(lib.kvfs_choose), address(lib.kvfs_encode_bound),
-                         ENCODERS, tuple(LATENCY_BUCKETS))
+                         ENCODERS, tuple(LATENCY_BUCKETS), ENCODER_NICE)
         budget = ops.dirty_budget
         budget.held_outside = _loop.native_write_held
         budget.on_change = self._budget_changed
@@ -115,7 +121,8 @@ class NativeWrites:
         triples, auto = p
         flat = [x for t in triples for x in t]
         try:
-            _loop.native_write_open(fh, h.ino, state.frame_size, struct.pack(f"<{len(flat)}i", *flat), auto)
+            _loop.native_write_open(fh, h.ino, state.frame_size, struct.pack(f"<{len(flat)}i", *flat), auto,
+                                    ENCODE_ZSTD)
         except (ValueError, MemoryError) as e:
             log.warning("inode %d: writes stay in Python: %s", h.ino, e)
             return
@@ -163,6 +170,23 @@ class NativeWrites:
             self.writers.pop(fh, None)
             del self._settling[fh]
             done.set()
+
+    async def policy_changed(self, ino: int) -> None:
+        """An attribute of the file was set or removed: a writer whose plan no longer is the policy's is taken
+        back; one that has taken no write yet starts again with the new plan (user.kvfs.dtype set after create)."""
+        for fh, w in list(self.writers.items()):
+            if w.ino != ino:
+                continue
+            try:
+                if plan(w.state.policy) == w.plan:
+                    continue
+            except Exception:  # noqa: BLE001 - Python's path reports what is wrong with the policy
+                pass
+            st = _loop.native_write_state(fh)
+            await self.settle_fh(fh)
+            h = self.ops.handles.get(fh)
+            if st is not None and st[1] == 0 and h is not None:
+                self.start(fh, h.flags)
 
     async def settle_ino(self, ino: int) -> None:
         for fh in [fh for fh, w in self.writers.items() if w.ino == ino]:
