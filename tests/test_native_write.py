@@ -179,6 +179,24 @@ def test_a_dtype_set_before_or_during_a_native_write(native: KvfsMount):
     assert os.getxattr(native.path("late"), "user.kvfs.codec") == b"zstd"
 
 
+def test_append_and_direct_io_writers(native: KvfsMount):
+    """O_APPEND writes arrive in order; O_DIRECT ones may arrive in parallel pieces: either way the file is right
+    (an out-of-order piece sends the writer to Python)."""
+    import mmap
+
+    data = KV_FILES[1].read_bytes()
+    _write(native.path("append"), data, chunk=333_333, flags=os.O_APPEND)
+    assert native.path("append").read_bytes() == data
+    buf = mmap.mmap(-1, len(data))  # page-aligned, as O_DIRECT wants
+    buf.write(data)
+    fd = os.open(native.path("direct"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        assert os.write(fd, memoryview(buf)[:len(data) // 4096 * 4096]) == len(data) // 4096 * 4096
+    finally:
+        os.close(fd)
+    assert native.path("direct").read_bytes() == data[:len(data) // 4096 * 4096]
+
+
 def test_concurrent_native_writers(native: KvfsMount):
     srcs = [p.read_bytes() for p in KV_FILES]
     before = native.stats()

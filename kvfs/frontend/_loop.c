@@ -2005,17 +2005,22 @@ static PyObject *owned(uint8_t *p, size_t len) {
     return (PyObject *)o;
 }
 
-static void *start_encoder(void) {
+/* one more encoder thread (EP.lock held): 0, or an errno */
+static int start_encoder(void) {
     sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);   /* the encoders take no process signals */
+    sigfillset(&all);   /* the encoders take no process signals (as the loop's threads) */
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
+    sigdelset(&all, SIGABRT);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     pthread_t t;
     int err = pthread_create(&t, NULL, encoder_thread, NULL);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (err)
-        return NULL;
-    EP.threads[EP.n_threads++] = t;
-    return (void *)1;
+    if (err == 0)
+        EP.threads[EP.n_threads++] = t;
+    return err;
 }
 
 static int set_latency_bounds(PyObject *bounds) {
@@ -2096,9 +2101,8 @@ static PyObject *m_native_write_open(PyObject *self, PyObject *args) {
         return NULL;
     }
     pthread_mutex_lock(&EP.lock);
-    int started = 1;
-    while (EP.n_threads < EP.want && !EP.stop && started)
-        started = start_encoder() != NULL;
+    while (EP.n_threads < EP.want && !EP.stop && start_encoder() == 0)
+        ;
     int have = EP.n_threads;
     pthread_mutex_unlock(&EP.lock);
     struct nw *h = have ? calloc(1, sizeof(*h)) : NULL;
