@@ -9,6 +9,7 @@ with EIO (logged); a request the handler forgot to answer answers EIO when it is
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -82,6 +83,7 @@ async def main(max_threads: int = MAX_THREADS, clone_fd: bool = CLONE_FD) -> Non
     ended = False
     try:
         async with trio.open_nursery() as nursery:
+            tasks = RequestTasks(nursery, dispatch.run)
             while not ended:
                 await trio.lowlevel.wait_readable(fd)
                 for r in _loop.fetch():
@@ -98,7 +100,7 @@ async def main(max_threads: int = MAX_THREADS, clone_fd: bool = CLONE_FD) -> Non
                         except Exception:  # noqa: BLE001 - bookkeeping never ends the mount
                             log.exception("first native read of handle %d: bookkeeping failed", r.fh)
                     else:
-                        nursery.start_soon(dispatch.run, r)
+                        tasks.submit(r)
             # requests in progress get a moment to answer; then they are cancelled (answered EINTR), as
             # pyfuse3's main() cancels its handlers: one may wait for a request no thread reads any more
             # (pagecache.py stats the file through the mount)
@@ -110,6 +112,36 @@ async def main(max_threads: int = MAX_THREADS, clone_fd: bool = CLONE_FD) -> Non
             await trio.to_thread.run_sync(_loop.join)
             if _writes is not None:  # what native writers still hold goes into their files (commit_all)
                 await _writes.settle_all()
+
+
+class RequestTasks:
+    """The tasks that run requests, long-lived: a request wakes an idle one instead of costing a new task.
+    No request waits for a busy task (a handler may wait for another request: pagecache.py stats through the
+    mount): each request wakes an idle task or starts a new one. At most MAX_IDLE stay idle; the others end.
+    Requests still queued when the nursery is cancelled are answered EIO (Request's destructor)."""
+
+    MAX_IDLE = 16
+
+    def __init__(self, nursery: trio.Nursery, run) -> None:
+        self.nursery = nursery
+        self.run = run
+        self.pending: collections.deque = collections.deque()
+        self.idle = trio.lowlevel.ParkingLot()
+
+    def submit(self, r) -> None:
+        self.pending.append(r)
+        if self.idle:
+            self.idle.unpark()
+        else:
+            self.nursery.start_soon(self._serve)
+
+    async def _serve(self) -> None:
+        while True:
+            while self.pending:
+                await self.run(self.pending.popleft())
+            if len(self.idle) >= self.MAX_IDLE:
+                return
+            await self.idle.park()
 
 
 def _ctx(r) -> RequestContext:
