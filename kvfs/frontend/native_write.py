@@ -71,14 +71,20 @@ def plan(policy) -> tuple[tuple[tuple[int, int, int], ...], bool] | None:
 
 
 class Writer:
-    __slots__ = ("fh", "ino", "state", "plan", "synced")
+    __slots__ = ("fh", "ino", "state", "plan", "policy", "inputs", "synced")
 
     def __init__(self, fh: int, ino: int, state, plan_) -> None:
         self.fh = fh
         self.ino = ino
         self.state = state  # its OpenFile
         self.plan = plan_
+        self.policy = state.policy  # the policy the plan is of, and what it was made from
+        self.inputs = _inputs(self.policy)
         self.synced = 0  # WRITEs taken in C that the OpenFile's attributes show
+
+
+def _inputs(policy) -> tuple:
+    return policy.requested, policy.dtype, policy.shape, policy.lossy, policy.codec, policy.transform
 
 
 class NativeWrites:
@@ -152,24 +158,25 @@ class NativeWrites:
         if w is None:
             return
         done = self._settling.get(fh)
-        if done is not None:
+        if done is not None:  # another request of the handle is taking it: after that one
             await done.wait()
             return
-        done = self._settling[fh] = trio.Event()
         try:
-            with trio.CancelScope(shield=True):
-                taken = _loop.native_write_take(fh, False)  # FLUSH, fsync, RELEASE finished it in C: at once
-                if taken is False:
+            taken = _loop.native_write_take(fh, False)  # FLUSH, fsync, RELEASE finished it in C: at once
+            if taken is False:  # frames still being encoded: wait for them in a worker thread
+                done = self._settling[fh] = trio.Event()
+                with trio.CancelScope(shield=True):
                     taken = await trio.to_thread.run_sync(_loop.native_write_take, fh, True)
-                self._install(w, taken)
+            self._install(w, taken)
         except Exception:
             w.state.corrupt = "unsaved native writes could not be taken over"  # never committed without them
             log.exception("inode %d: taking native writes over failed; the file is dropped", w.ino)
             raise
         finally:
             self.writers.pop(fh, None)
-            del self._settling[fh]
-            done.set()
+            if done is not None:
+                del self._settling[fh]
+                done.set()
 
     async def policy_changed(self, ino: int) -> None:
         """An attribute of the file was set or removed: a writer whose plan no longer is the policy's is taken
@@ -230,11 +237,12 @@ class NativeWrites:
     @staticmethod
     def _policy_agrees(w: Writer, policy, choice: tuple[int, int, int]) -> bool:
         """Whether frames C encoded with `choice` are what `policy` would write; it adopts the choice."""
-        try:
-            if plan(policy) != w.plan:
+        if policy is not w.policy or _inputs(policy) != w.inputs:  # (setxattr took such writers back already)
+            try:
+                if plan(policy) != w.plan:
+                    return False
+            except Exception:  # noqa: BLE001
                 return False
-        except Exception:  # noqa: BLE001
-            return False
         codec_id, transform, param = choice
         if policy.transform is None:
             codec = codecs.by_id(codec_id)
