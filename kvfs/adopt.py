@@ -53,7 +53,7 @@ from .tiers import DirectoryTier, Tier
 
 
 class MountState(Protocol):
-    """What adoption uses of the mount (kvfs/fs.py's Operations has it): adoption does not import the
+    """What adoption uses of the mount (kvfs/frontend/ops's Operations has it): adoption does not import the
     request handlers, which import it."""
 
     config: object

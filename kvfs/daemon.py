@@ -23,7 +23,7 @@ from .codecs import qat
 from .codecs.qat import QatCodec
 from .config import Config, ConfigError
 from .frontend import api as fuse
-from .fs import Operations
+from .frontend.ops import Operations
 from .index import Index
 from .locks import InodeLocks
 from .mover import Mover

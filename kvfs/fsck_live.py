@@ -1,6 +1,6 @@
 """kvfs fsck inside the daemon: the job started through the mount's control channel, and its status.
 
-Control channel (kvfs/fs.py serves it; the check itself is kvfs/fsck.py):
+Control channel (kvfs/frontend/ops serves it; the check itself is kvfs/fsck.py):
 - setxattr(MOUNT/.kvfs, "user.kvfs.fsck", b"check" | b"repair") starts a job in the daemon's nursery; EBUSY
   while one runs, EACCES for anyone but the daemon's user or root, EINVAL for another value;
 - getxattr of the same name: idle, running, done or failed;
@@ -46,7 +46,7 @@ class Refused(Exception):
 
 
 class Operations(Protocol):
-    """What a live fsck uses of the mounted filesystem (kvfs/fs.py's Operations, which imports this module)."""
+    """What a live fsck uses of the mounted filesystem (kvfs/frontend/ops's Operations, which imports this module)."""
 
     index: Index
     store: Store

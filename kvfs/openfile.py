@@ -305,7 +305,7 @@ class OpenFile:
         self.inflight: dict[tuple[int, int], trio.Event] = {}
         self.handles = 0
         self.writers = 0  # handles open for writing
-        self.native_live = False  # handles of it are read by the native front end (kvfs/fs.py _native_open)
+        self.native_live = False  # handles of it are read by the native front end (kvfs/frontend/ops _native_open)
         self.corrupt: str | None = None
         self._eager = 0
 

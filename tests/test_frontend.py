@@ -20,7 +20,7 @@ import trio
 
 from conftest import FUSERMOUNT, KvfsMount
 from kvfs.frontend import _loop, bridge, types
-from kvfs.fs import Operations
+from kvfs.frontend.ops import Operations
 
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 

@@ -146,7 +146,7 @@ static void submit(struct kreq *k, fuse_req_t req) {
 
 /* ---- native reads of committed objects: served in the worker thread, no GIL, no trio round trip ------------
  *
- * At open, Python (kvfs/fs.py) hands over a committed, unsealed, lossless object of a local tier that nobody
+ * At open, Python (kvfs/frontend/ops) hands over a committed, unsealed, lossless object of a local tier that nobody
  * writes: an fd opened on it (owned here until the last reference goes: an fd keeps reading the immutable object
  * across the mover's moves and unlinks), its raw size, frame size and frame table as stored (already verified by
  * Python: header and table checksums, every entry's bounds). A READ on that handle is answered here: the frames
@@ -1107,7 +1107,7 @@ static void ll_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const 
 
 static void ll_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
     /* The kernel asks for security.capability before every write(2) to a file (file_remove_privs): kvfs keeps
-     * no security.* attribute (fs.py answers ENODATA for any name outside user.*; setxattr refuses them), so the
+     * no security.* attribute (the Operations answer ENODATA for any name outside user.*; setxattr refuses them), so the
      * answer is given here, without a trip through Python per write(2). */
     if (strcmp(name, "security.capability") == 0) {
         fuse_reply_err(req, ENODATA);

@@ -1,4 +1,4 @@
-"""The FUSE names the rest of kvfs uses (`from .frontend import api as fuse`; fs.py, daemon.py, pagecache.py,
+"""The FUSE names the rest of kvfs uses (`from .frontend import api as fuse`; ops/, daemon.py, pagecache.py,
 adopt.py): the native front end's (bridge.py, _loop.c), in the names and calling convention of pyfuse3, which it
 replaced. The value types are in types.py.
 """
@@ -16,6 +16,6 @@ __all__ = ["ENOATTR", "RENAME_EXCHANGE", "RENAME_NOREPLACE", "ROOT_INODE", "Entr
            "init", "invalidate_entry", "invalidate_inode", "main", "native", "native_counts", "notify_store", "readdir_reply",
            "terminate"]
 
-# READ of committed objects served in the C threads (kvfs/fs.py decides per open file); None with
+# READ of committed objects served in the C threads (kvfs/frontend/ops decides per open file); None with
 # KVFS_NATIVE_READS=0 in the daemon's environment: every read in Python
 native = bridge.NativeReads if bridge.NATIVE_READS else None

@@ -2,7 +2,7 @@
 
 `_loop` runs libfuse's multi-threaded session loop in C threads. They queue each request and signal an
 eventfd; `main()` waits for it in the daemon's trio loop, takes the queue and starts one task per request.
-The task calls the Operations method in pyfuse3's calling convention (kvfs/fs.py) and answers through the
+The task calls the Operations method in pyfuse3's calling convention (kvfs/frontend/ops) and answers through the
 request's reply_* method. Every request is answered exactly once: a FUSEError with its errno, anything else
 with EIO (logged); a request the handler forgot to answer answers EIO when it is dropped.
 """
@@ -26,7 +26,7 @@ log = logging.getLogger("kvfs.frontend")
 MAX_THREADS = int(os.environ.get("KVFS_FUSE_THREADS", "8"))  # libfuse workers (they queue, or serve native reads)
 END_GRACE_S = 2.0  # at the loop's end, for the requests in progress
 CLONE_FD = os.environ.get("KVFS_FUSE_CLONE_FD", "1") != "0"
-# READ of committed objects in local tiers served in the C threads (kvfs/fs.py decides per open file)
+# READ of committed objects in local tiers served in the C threads (kvfs/frontend/ops decides per open file)
 NATIVE_READS = os.environ.get("KVFS_NATIVE_READS", "1") != "0"
 
 _ops = None
@@ -405,7 +405,7 @@ def notify_store(ino: int, offset: int, data) -> None:
 
 
 class NativeReads:
-    """What kvfs/fs.py calls to have a handle's reads served in the C threads (api.native, None on pyfuse3 or
+    """What kvfs/frontend/ops calls to have a handle's reads served in the C threads (api.native, None on pyfuse3 or
     with KVFS_NATIVE_READS=0)."""
 
     open = staticmethod(_loop.native_open)  # (fh, ino, tier index, fd (handed over), raw size, frame size, table)
