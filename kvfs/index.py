@@ -176,6 +176,7 @@ EXPIRY = "mtime_ns + ttl_s * 1000000000"  # I9: when a file with a retention tim
 
 # Columns that setattr-like updates may touch.
 _ATTR_COLUMNS = frozenset({"mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns"})
+ATIME_SET_MEMORY_NS = 60 * 1_000_000_000  # how long an explicit atime outranks a late-arriving read (note_access)
 
 
 def object_id(ino: int, gen: int) -> str:
@@ -209,6 +210,7 @@ class Index:
         self.db.executescript(TIER_TOTALS)
         self._sync_lock = threading.Lock()
         self._pending_access: dict[int, int] = {}  # reads: atime and the LRU's last access
+        self._atime_set: dict[int, int] = {}  # inode → when its atime was last set explicitly (recent ones)
         self._pending_use: dict[int, int] = {}  # prefetches and promotions: the LRU's last access only
         self._ensure_root()
 
@@ -475,6 +477,7 @@ class Index:
             raise ValueError(f"not settable: {bad}")
         if "atime_ns" in fields:
             self.flush_access()  # an earlier read's batched atime must not overwrite the one set now
+            self._atime_set[ino] = time.time_ns()
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self.transaction():
             self.db.execute(f"UPDATE inodes SET {cols} WHERE id = ?", (*fields.values(), ino))
@@ -636,9 +639,15 @@ class Index:
             "WHERE x.name = ? AND i.obj_gen > 0 AND i.nlink > 0", (b"user.kvfs.blocks",))
 
     # -- batched access times, durability --------------------------------------------------------
-    def note_access(self, ino: int) -> None:
-        """A read (of a file, or readdir): its atime and its place in the LRU."""
-        self._pending_access[ino] = time.time_ns()
+    def note_access(self, ino: int, at_ns: int | None = None) -> None:
+        """A read (of a file, or readdir), now or at `at_ns` (wall clock): its atime and its place in the LRU. A
+        read older than an atime set explicitly since (set_attrs) leaves the atime alone: a native reader's
+        RELEASE can reach the daemon after a later utimensat (docs/frontend.md)."""
+        t = at_ns or time.time_ns()
+        if t <= self._atime_set.get(ino, 0):
+            self._pending_use[ino] = max(self._pending_use.get(ino, 0), t)
+            return
+        self._pending_access[ino] = max(self._pending_access.get(ino, 0), t)
 
     def note_use(self, ino: int) -> None:
         """About to be used (prefetched, promoted): recent for the LRU, but not read, so its atime stays."""
@@ -649,6 +658,9 @@ class Index:
         return self._pending_access.get(ino)
 
     def flush_access(self) -> int:
+        if self._atime_set:  # a RELEASE later than this is not expected: forget explicit atimes' times
+            old = time.time_ns() - ATIME_SET_MEMORY_NS
+            self._atime_set = {i: t for i, t in self._atime_set.items() if t > old}
         pending, self._pending_access = self._pending_access, {}
         used, self._pending_use = self._pending_use, {}
         if pending or used:

@@ -405,3 +405,24 @@ def test_native_read_of_a_corrupt_object(native: KvfsMount):
     assert native.stats()["checksum_failures"] == 1
     assert not native.path("c").exists()
     assert native.alive()
+
+
+def test_a_native_readers_late_release_keeps_an_explicit_atime(native: KvfsMount):
+    """A native reader's RELEASE notes its last read's time, not its own: an atime set after the last read (here
+    before the reader closes; with the threaded loop a RELEASE can also simply arrive late) is kept."""
+    f = native.path("f")
+    f.write_bytes(b"0123456789" * 1000)
+    time.sleep(0.2)
+    r = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(r, 10, 0) == b"0123456789"
+        assert native.stats()["native_reads"] > 0
+        time.sleep(0.01)
+        os.utime(f, ns=(1_000_000_007, 2_000_000_009))
+    finally:
+        os.close(r)
+    native.stop()
+    native.start(*native.args)
+    st = f.stat()
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_007, 2_000_000_009)

@@ -190,6 +190,7 @@ struct nh {
     int disabled;                     /* atomic: reads go to Python (a writer opened the file, or corruption) */
     int first_done;                   /* atomic: OP_NATIVE_FIRST was queued */
     uint64_t bytes;                   /* atomic: logical bytes answered */
+    uint64_t last_read_ns;            /* atomic: wall-clock time of the last read answered (atime, idle policy) */
     pthread_mutex_t cache_lock;
     uint8_t *cache;                   /* the frame last decoded for a partial read, or NULL */
     size_t cache_cap;
@@ -300,6 +301,10 @@ static void count_read(struct nh *h, size_t n, uint64_t stored, uint32_t frames,
     if (stored && h->tier >= 0 && h->tier < MAX_TIERS)
         ADD(NC.stored[h->tier], stored);
     __atomic_fetch_add(&h->bytes, n, __ATOMIC_RELAXED);
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    __atomic_store_n(&h->last_read_ns, (uint64_t)wall.tv_sec * 1000000000ULL + (uint64_t)wall.tv_nsec,
+                     __ATOMIC_RELAXED);
     uint64_t dt = now_ns() - t0;
     int b = 0;
     while (b < n_lat && dt > lat_bounds_ns[b])
@@ -1857,6 +1862,20 @@ static PyObject *m_native_open(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* native_last_read(fh) -> wall-clock ns of the handle's last read answered; 0: none, or not known here. A RELEASE
+ * can reach Python after later requests (a utimensat): it notes the read's time, not its own. */
+static PyObject *m_native_last_read(PyObject *self, PyObject *args) {
+    unsigned long long fh;
+    if (!PyArg_ParseTuple(args, "K", &fh))
+        return NULL;
+    struct nh *h = nh_get(fh);
+    if (h == NULL)
+        return PyLong_FromLong(0);
+    unsigned long long t = __atomic_load_n(&h->last_read_ns, __ATOMIC_RELAXED);
+    nh_put(h);
+    return PyLong_FromUnsignedLongLong(t);
+}
+
 /* native_close(fh) -> logical bytes its reads answered, or -1 for a handle not known here */
 static PyObject *m_native_close(PyObject *self, PyObject *args) {
     unsigned long long fh;
@@ -2310,6 +2329,8 @@ static PyMethodDef module_methods[] = {
     {"native_open", m_native_open, METH_VARARGS,
      "native_open(fh, ino, tier, fd, raw_size, frame_size, table): READs of fh are served in C from now on"},
     {"native_close", m_native_close, METH_VARARGS, "native_close(fh) -> bytes its reads answered, -1: unknown"},
+    {"native_last_read", m_native_last_read, METH_VARARGS,
+     "native_last_read(fh) -> wall-clock ns of its last read answered, 0: none or unknown"},
     {"native_disable", m_native_disable, METH_VARARGS, "native_disable(ino): its handles' reads go to Python"},
     {"native_take", m_native_take, METH_NOARGS, "the native read counters since the last call"},
     {"native_pread", m_native_pread, METH_VARARGS, "native_pread(fh, off, size): a native read, for tests"},

@@ -410,6 +410,7 @@ class NativeReads:
 
     open = staticmethod(_loop.native_open)  # (fh, ino, tier index, fd (handed over), raw size, frame size, table)
     close = staticmethod(_loop.native_close)  # (fh) -> logical bytes its reads answered, -1: not native
+    last_read = staticmethod(_loop.native_last_read)  # (fh) -> wall-clock ns of its last read answered, 0: none
     disable = staticmethod(_loop.native_disable)  # (ino): its handles' reads go to Python from now on
     take = staticmethod(_loop.native_take)  # counters since the last call (stats, metrics)
 

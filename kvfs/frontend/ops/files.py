@@ -210,8 +210,10 @@ class Files(OperationsBase):
     @_guard
     async def release(self, fh):
         h = self.handles.pop(fh, None)
-        if h is not None and h.native and fuse.native.close(fh) > 0:
-            self.index.note_access(h.ino)  # the last read's time, for the idle policy
+        if h is not None and h.native:
+            last_read = fuse.native.last_read(fh)
+            if fuse.native.close(fh) > 0 and last_read:  # the last read's time (atime, the idle policy)
+                self.index.note_access(h.ino, at_ns=last_read)
         if h is not None and h.state is not None:
             h.state.writers -= h.writer
             await self._release_state(h.state)
