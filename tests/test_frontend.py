@@ -426,3 +426,20 @@ def test_a_native_readers_late_release_keeps_an_explicit_atime(native: KvfsMount
     native.start(*native.args)
     st = f.stat()
     assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_007, 2_000_000_009)
+
+
+def test_attributes_outside_user_are_answered_enodata(native: KvfsMount):
+    """Names outside user.* (ls -l asks for security.selinux and system.posix_acl_access of every entry, the
+    kernel for security.capability before each write) are answered in C, as the Operations would: ENODATA."""
+    f = native.path("f")
+    f.write_bytes(b"x")
+    os.setxattr(f, "user.mine", b"1")
+    for name in ("security.selinux", "system.posix_acl_access", "security.capability", "trusted.x"):
+        with pytest.raises(OSError) as e:
+            os.getxattr(f, name)
+        assert e.value.errno == errno.ENODATA, name
+    assert os.getxattr(f, "user.mine") == b"1"
+    assert os.getxattr(f, "user.kvfs.tier") == b"L2"
+    with pytest.raises(OSError) as e:
+        os.getxattr(native.path("missing"), "security.selinux")
+    assert e.value.errno == errno.ENOENT

@@ -1111,10 +1111,11 @@ static void ll_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const 
 }
 
 static void ll_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
-    /* The kernel asks for security.capability before every write(2) to a file (file_remove_privs): kvfs keeps
-     * no security.* attribute (the Operations answer ENODATA for any name outside user.*; setxattr refuses them), so the
-     * answer is given here, without a trip through Python per write(2). */
-    if (strcmp(name, "security.capability") == 0) {
+    /* kvfs keeps only user.* attributes (the Operations answer ENODATA for any other name; setxattr refuses them),
+     * so other names are answered here, without a trip through Python: the kernel asks for security.capability
+     * before every write(2) to a file (file_remove_privs), `ls -l` for security.selinux and
+     * system.posix_acl_access of every entry. */
+    if (strncmp(name, "user.", 5) != 0) {
         fuse_reply_err(req, ENODATA);
         return;
     }
