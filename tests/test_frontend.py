@@ -443,3 +443,18 @@ def test_attributes_outside_user_are_answered_enodata(native: KvfsMount):
     with pytest.raises(OSError) as e:
         os.getxattr(native.path("missing"), "security.selinux")
     assert e.value.errno == errno.ENOENT
+
+
+def test_setxattr_create_and_replace_flags(native: KvfsMount):
+    """XATTR_CREATE fails with EEXIST on a name that is there, XATTR_REPLACE with ENODATA on one that is not."""
+    f = native.path("f")
+    f.write_bytes(b"x")
+    with pytest.raises(OSError) as e:
+        os.setxattr(f, "user.a", b"1", os.XATTR_REPLACE)
+    assert e.value.errno == errno.ENODATA
+    os.setxattr(f, "user.a", b"1", os.XATTR_CREATE)
+    with pytest.raises(OSError) as e:
+        os.setxattr(f, "user.a", b"2", os.XATTR_CREATE)
+    assert e.value.errno == errno.EEXIST
+    os.setxattr(f, "user.a", b"3", os.XATTR_REPLACE)
+    assert os.getxattr(f, "user.a") == b"3"

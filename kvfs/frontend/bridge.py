@@ -353,7 +353,17 @@ class Dispatch:
 
     # -- extended attributes -----------------------------------------------------------------------------
     async def setxattr(self, r):
-        await self._method("setxattr")(r.ino, r.name, bytes(r.data), _ctx(r))
+        ctx = _ctx(r)
+        if r.flags & (os.XATTR_CREATE | os.XATTR_REPLACE):  # the Operations take no flags (nor did pyfuse3's)
+            try:
+                await self._method("getxattr")(r.ino, r.name, ctx)
+            except FUSEError as e:
+                if e.errno != errno.ENODATA or r.flags & os.XATTR_REPLACE:
+                    raise  # XATTR_REPLACE of a name that is not there: ENODATA
+            else:
+                if r.flags & os.XATTR_CREATE:
+                    raise FUSEError(errno.EEXIST)
+        await self._method("setxattr")(r.ino, r.name, bytes(r.data), ctx)
         if self.writes is not None and self.writes.writers:  # user.kvfs.dtype, shape, lossy: the encoding
             await self.writes.policy_changed(r.ino)
         _check(r.reply_err(0), r)
