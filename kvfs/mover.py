@@ -82,7 +82,8 @@ class Mover:
         self._writers_waiting = 0  # commits waiting for room now (back-pressure: congested())
         self.max_backlog: int | None = None  # bytes of the fastest tier's backlog that mean congested (daemon)
         self._expiry_swept = 0.0
-        self.drop_pages: Callable[[int], None] | None = None  # forgets an inode's pages in the kernel (kvfs/frontend/ops)
+        # forgets an inode's pages in the kernel (kvfs/frontend/ops)
+        self.drop_pages: Callable[[int], None] | None = None
         self._dropping_pages: dict[int, trio.Event] = {}  # inode -> set once its pages are dropped
         self._move_log: dict[str, _MovesOut] = {}  # tier → moves out not logged yet (see _flush_move_log)
         self._move_logged: dict[str, float] = {}
@@ -595,9 +596,9 @@ class Mover:
 
     def _gone(self, ino: int, ref: ObjectRef) -> bool:
         """The file no longer has the object a move started from: deleted meanwhile. Deletion (unlink, the
-        kernel's forget of an unlinked file: frontend/ops/names.py `_maybe_delete`) does not wait for the file's lock, so it
-        may remove the source while the mover copies it: the copy fails (ENOENT from a directory tier, a
-        missing key from S3), or succeeds and the index refuses the switch."""
+        kernel's forget of an unlinked file: frontend/ops/names.py `_maybe_delete`) does not wait for the
+        file's lock, so it may remove the source while the mover copies it: the copy fails (ENOENT from a
+        directory tier, a missing key from S3), or succeeds and the index refuses the switch."""
         row = self.index.get(ino)
         return row is None or row["obj_gen"] != ref.gen or row["obj_tier"] != ref.tier
 

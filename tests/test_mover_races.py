@@ -50,7 +50,8 @@ def _setup(tmp_path):
 
 
 async def _delete(store: Store, index: Index, ino: int, ref: ObjectRef) -> None:
-    """What kvfs/frontend/ops/names.py's _maybe_delete does for an unlinked file nobody holds: the row, then the object."""
+    """What kvfs/frontend/ops/names.py's _maybe_delete does for an unlinked file nobody holds: the row, then the
+    object."""
     index.delete_inode(ino)
     await store.delete(ref)
 

@@ -13,8 +13,8 @@ from .types import (ENOATTR, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, Entr
 
 __all__ = ["ENOATTR", "RENAME_EXCHANGE", "RENAME_NOREPLACE", "ROOT_INODE", "EntryAttributes", "FileInfo",
            "FUSEError", "Operations", "RequestContext", "SetattrFields", "StatvfsData", "close", "default_options",
-           "init", "invalidate_entry", "invalidate_inode", "main", "native", "native_counts", "notify_store", "readdir_reply",
-           "terminate"]
+           "init", "invalidate_entry", "invalidate_inode", "main", "native", "native_counts", "notify_store",
+           "readdir_reply", "terminate"]
 
 # READ of committed objects served in the C threads (kvfs/frontend/ops decides per open file); None with
 # KVFS_NATIVE_READS=0 in the daemon's environment: every read in Python

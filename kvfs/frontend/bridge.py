@@ -1,9 +1,9 @@
 """The trio side of the native front end: requests from the C loop (kvfs/frontend/_loop.c) into the Operations.
 
 `_loop` runs libfuse's multi-threaded session loop in C threads. They queue each request and signal an
-eventfd; `main()` waits for it in the daemon's trio loop, takes the queue and starts one task per request.
-The task calls the Operations method in pyfuse3's calling convention (kvfs/frontend/ops) and answers through the
-request's reply_* method. Every request is answered exactly once: a FUSEError with its errno, anything else
+eventfd; `main()` waits for it in the daemon's trio loop, takes the queue and hands each request to a request
+task (RequestTasks). The task calls the Operations method in pyfuse3's calling convention (kvfs/frontend/ops)
+and answers through the request's reply_* method. Every request is answered exactly once: a FUSEError with its errno, anything else
 with EIO (logged); a request the handler forgot to answer answers EIO when it is dropped.
 """
 
@@ -190,6 +190,11 @@ class Dispatch:
                 raise
             log.exception("request %d failed; answered EIO", r.op)
 
+    async def _settle(self, fh: int) -> None:
+        """The handle's native writes, if any, become its OpenFile's before Python handles its request."""
+        if self.writes is not None and fh in self.writes.writers:
+            await self.writes.settle_fh(fh)
+
     def _method(self, name: str):
         m = getattr(self.ops, name, None)
         if m is None:
@@ -307,27 +312,23 @@ class Dispatch:
         raise FUSEError(errno.EIO)
 
     async def write(self, r):
-        if self.writes is not None and r.fh in self.writes.writers:  # sent here by C: Python goes on from its frames
-            await self.writes.settle_fh(r.fh)
+        await self._settle(r.fh)  # a native writer's WRITE sent here by C: Python goes on from its frames
         # a read-only view of the request's copy of the written bytes: no second copy (openfile keeps it)
         n = await self._method("write")(r.fh, r.off, r.data)
         _check(r.reply_write(n), r)
 
     async def flush(self, r):
-        if self.writes is not None and r.fh in self.writes.writers:
-            await self.writes.settle_fh(r.fh)
+        await self._settle(r.fh)
         await self._method("flush")(r.fh)
         _check(r.reply_err(0), r)
 
     async def release(self, r):
-        if self.writes is not None and r.fh in self.writes.writers:
-            await self.writes.settle_fh(r.fh)
+        await self._settle(r.fh)
         await self._method("release")(r.fh)
         _check(r.reply_err(0), r)
 
     async def fsync(self, r):
-        if self.writes is not None and r.fh in self.writes.writers:
-            await self.writes.settle_fh(r.fh)
+        await self._settle(r.fh)
         await self._method("fsync")(r.fh, bool(r.flags))
         _check(r.reply_err(0), r)
 
@@ -415,8 +416,8 @@ def notify_store(ino: int, offset: int, data) -> None:
 
 
 class NativeReads:
-    """What kvfs/frontend/ops calls to have a handle's reads served in the C threads (api.native, None on pyfuse3 or
-    with KVFS_NATIVE_READS=0)."""
+    """What kvfs/frontend/ops calls to have a handle's reads served in the C threads (api.native; None with
+    KVFS_NATIVE_READS=0)."""
 
     open = staticmethod(_loop.native_open)  # (fh, ino, tier index, fd (handed over), raw size, frame size, table)
     close = staticmethod(_loop.native_close)  # (fh) -> logical bytes its reads answered, -1: not native

@@ -1,5 +1,6 @@
-"""The value types the Operations (kvfs/frontend/ops) use, with the names, fields and defaults of pyfuse3 (the front end
-the native one replaced), so the Operations kept their calling convention. bridge.py reads them by attribute.
+"""The value types the Operations (kvfs/frontend/ops) use, with the names, fields and defaults of pyfuse3 (the
+front end the native one replaced), so the Operations kept their calling convention. bridge.py reads them by
+attribute.
 """
 
 from __future__ import annotations

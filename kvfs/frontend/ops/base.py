@@ -162,7 +162,8 @@ class OperationsBase(fuse.Operations):
         self.hotcold = HotCold(index, store, mover, counters, self.drop_file)  # pin, tier, prefetch, drop, idle
         self.latency = metrics.RequestLatency()  # read/write durations, exported with --metrics-port
         self.fsck = LiveFsck(self)  # fsck jobs started through setxattr on .kvfs
-        self.pages = PageKeeper(config.mountpoint, index, config.frame_size, store.order[0].name)  # written pages stay cached
+        # written pages stay cached
+        self.pages = PageKeeper(config.mountpoint, index, config.frame_size, store.order[0].name)
         mover.drop_pages = forget_pages  # until the file is demoted
         self.adopter = Adopter(self)  # direct writes: objects encoded by their writers (kvfs/adopt.py)
 

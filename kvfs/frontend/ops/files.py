@@ -20,6 +20,7 @@ from .base import (log, STATS_INODE, FSCK_INODE, XA_DTYPE, XA_SHAPE, XA_LOSSY, R
                    SELF_EXPLAINING_ERRNOS, NATIVE_DIRECT_IO, _WRITE_FLAGS, _guard, _err, Handle, _invalidate_attrs,
                    OperationsBase)
 
+
 class Files(OperationsBase):
     def _policy(self, ino: int) -> EncodingPolicy:
         dtype = self.index.get_xattr(ino, XA_DTYPE)

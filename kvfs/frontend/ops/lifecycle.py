@@ -13,6 +13,7 @@ from ...openfile import FileCorrupt, PublishedGone
 from ...store import ObjectRef
 from .base import (log, INVALIDATE_WAIT_S, _invalidate_entry, OperationsBase)
 
+
 class Lifecycle(OperationsBase):
     async def drop_corrupt(self, err: FileCorrupt) -> None:
         """A checksum failed: count and log it, and make the file a miss for every later caller.

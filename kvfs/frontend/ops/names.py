@@ -14,6 +14,7 @@ from ...store import ObjectRef
 from .base import (log, KVFS_DIR_INODE, STATS_INODE, FSCK_INODE, KVFS_DIR_NAME, STATS_NAME, FSCK_NAME, _guard, _err,
                    OperationsBase)
 
+
 class Names(OperationsBase):
     @_guard
     async def lookup(self, parent_inode, name, ctx=None):

@@ -12,6 +12,7 @@ from .. import api as fuse
 from .. import native_write
 from .base import (log, _KERNEL_DECODES, _NATIVE_ERRORS, _guard, _err, Handle, OperationsBase)
 
+
 class Native(OperationsBase):
     async def _native_open(self, fh: int, h: Handle) -> bool:
         """Hand the handle's reads to the native front end's C threads (kvfs/frontend/_loop.c) when the file is

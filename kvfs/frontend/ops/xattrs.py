@@ -20,6 +20,7 @@ from .base import (log, KVFS_DIR_INODE, VIRTUAL_INODES, XATTR_NAME_MAX, XATTR_SI
                    XA_SHAPE, XA_LOSSY, INFO_XATTRS, XA_OBJECT, XA_STAGING, XA_ADOPT, XA_CONGESTED, XA_SHED,
                    SHED_REPORT_MAX, IGNORED_XATTRS, SETTABLE_DTYPES, EXPECTED_ERRNOS, _guard, _err, OperationsBase)
 
+
 class Xattrs(OperationsBase):
     def _info_xattr(self, row, name: bytes) -> bytes:
         key = name[len(XA_PREFIX):].decode()
